@@ -1,0 +1,23 @@
+"""jaxdecode: a JAX decode engine for Llama-family models, with kernel looping.
+
+Dimension key, used in every shape comment and einsum in the project:
+
+    B  batch                     T  query tokens in this step
+    S  key / cache length        D  model width
+    N  query heads               K  key/value heads
+    G  = N / K, query heads per kv head
+    H  head dim                  F  ffn width
+    V  vocab                     L  layers
+"""
+
+from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling, get_preset
+from jaxdecode.decode import DecodeState, Engine, Generation
+from jaxdecode.model import Transformer, init_random, load_state_dict
+from jaxdecode.sampling import SamplingParams
+
+__all__ = [
+    "DEFAULT_MODEL", "PRESETS", "ModelConfig", "RopeScaling", "get_preset",
+    "DecodeState", "Engine", "Generation",
+    "Transformer", "init_random", "load_state_dict",
+    "SamplingParams",
+]

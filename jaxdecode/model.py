@@ -1,0 +1,248 @@
+"""Flax NNX Llama-family decoder: RMSNorm, RoPE (with llama3 scaling), GQA attention, SwiGLU MLP.
+
+Parameter names follow the Hugging Face checkpoint names (`embed_tokens`, `layers.i.self_attn.q_proj`,
+`mlp.gate_proj`, `input_layernorm`, ...) so that loaders need no table. One difference: linear weights
+are stored as [in, out] (x @ weight), the transpose of the checkpoint's [out, in].
+
+The layer loop is a plain Python loop. Each layer is applied through `decoder_layer_call`, one
+module-level `jax.jit` function, so every layer call appears in the jaxpr as a call of the same jaxpr:
+that is the call boundary the kernel-looping pass (`jaxdecode.looping`) finds and turns into a scan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdecode.config import ModelConfig
+
+Array = jax.Array
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [H/2] in float32, with llama3 frequency scaling when configured.
+
+    inv_freq[i] = theta^(-2i/H). Llama 3 scaling divides low frequencies (wavelength above
+    original_max / low_freq_factor) by `factor`, keeps high ones, and interpolates in between.
+    """
+    h = cfg.head_dim
+    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h)))
+    inv_freq = inv_freq.astype(np.float32)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = (2 * np.pi / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq).astype(np.float32)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(inv_freq: Array, positions: Array) -> tuple[Array, Array]:
+    """cos and sin [B, T, H] (float32) for integer positions [B, T], halves repeated (rotate-half form)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate x [B, T, N, H] by the angles in cos, sin [B, T, H] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [B, T, N, H]
+    out = x.astype(jnp.float32) * cos[:, :, None, :] + rotated.astype(jnp.float32) * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ weight (+ bias); weight [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+        std = d_in**-0.5
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32).astype(dtype) * std)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: Array) -> Array:  # x: [..., in]
+        y = x @ self.weight[...]  # [..., out]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:  # x: [..., D]
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.q_proj = Linear(cfg.dim, cfg.q_dim, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(cfg.dim, cfg.kv_dim, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(cfg.dim, cfg.kv_dim, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.q_dim, cfg.dim, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: Array,  # [B, T, D]
+        k_cache: Array,  # [B, S, K, H]
+        v_cache: Array,  # [B, S, K, H]
+        positions: Array,  # [B, T] int32, position of each query token
+        cos: Array,  # [B, T, H]
+        sin: Array,  # [B, T, H]
+    ) -> tuple[Array, Array, Array]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.n_heads, cfg.head_dim)  # [B, T, N, H]
+        k = self.k_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
+        v = self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        with jax.named_scope("kv_cache_update"):
+            # Each sequence writes its T new rows at its own start position.
+            write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (p, 0, 0)))
+            k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])  # [B, S, K, H]
+            v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])  # [B, S, K, H]
+
+        with jax.named_scope("sdpa"):
+            s = k_cache.shape[1]
+            q = q.reshape(b, t, cfg.n_kv_heads, cfg.group_size, cfg.head_dim)  # [B, T, K, G, H]
+            scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_cache, preferred_element_type=jnp.float32)
+            scores = scores * (cfg.head_dim**-0.5)
+            # Causal mask by position: a query at position p sees cache rows 0..p. Rows past a
+            # sequence's length hold stale or padding values and are always in the future.
+            visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)  # [B, K, G, T, S]
+            probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)  # [B, K, G, T, S]
+            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_cache, preferred_element_type=jnp.float32)
+            out = out.astype(x.dtype).reshape(b, t, cfg.q_dim)  # [B, T, N*H]
+        return self.o_proj(out), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(cfg.dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Array) -> Array:  # x: [B, T, D]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, D]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, k_cache, v_cache, positions, cos, sin):  # x: [B, T, D]; caches [B, S, K, H]
+        with jax.named_scope("attention"):
+            attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, positions, cos, sin)
+            x = x + attn
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_cache, v_cache
+
+
+@jax.jit(static_argnums=0)
+def decoder_layer_call(graphdef, state, x, k_cache, v_cache, positions, cos, sin):
+    """Apply one decoder layer given as (graphdef, state): the call boundary the looping pass finds."""
+    return nnx.merge(graphdef, state)(x, k_cache, v_cache, positions, cos, sin)
+
+
+class Transformer(nnx.Module):
+    """The decoder. `__call__` maps tokens [B, T] and a KV cache to logits [B, T, V] and the new cache."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [H/2], a constant, not a parameter
+
+    def __call__(
+        self,
+        tokens: Array,  # [B, T] int32
+        positions: Array,  # [B, T] int32
+        k_caches: list[Array],  # L x [B, S, K, H]
+        v_caches: list[Array],  # L x [B, S, K, H]
+    ) -> tuple[Array, list[Array], list[Array]]:
+        with jax.named_scope("embed"):
+            x = self.embed_tokens(tokens)  # [B, T, D]
+            cos, sin = rope_cos_sin(self.inv_freq[...], positions)  # [B, T, H]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layers_{i}"):
+                graphdef, state = nnx.split(layer)
+                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+        with jax.named_scope("lm_head"):
+            x = self.norm(x)
+            if self.lm_head is None:
+                logits = self.embed_tokens.attend(x)  # [B, T, V]
+            else:
+                logits = self.lm_head(x)  # [B, T, V]
+        return logits.astype(jnp.float32), new_k, new_v
+
+
+def init_random(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Transformer:
+    """A model with random weights (normal, scaled 1/sqrt(fan_in)) for any config: tests and benchmarks."""
+    return Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Transformer:
+    """Copy Hugging Face-named tensors (Linear weights [out, in]) into the model, in place.
+
+    Raises ValueError naming the tensor when one is missing, unexpected or of the wrong shape.
+    """
+    remaining = dict(tensors)
+
+    def take(name: str, param: nnx.Param, transpose: bool = False):
+        if name not in remaining:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        value = np.asarray(remaining.pop(name))
+        if transpose:
+            value = value.T
+        if value.shape != param.shape:
+            raise ValueError(f"tensor {name!r} has shape {value.shape}, expected {param.shape}")
+        param.set_value(jnp.asarray(value, dtype=param.dtype))
+
+    take("model.embed_tokens.weight", model.embed_tokens.embedding)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            linear = getattr(layer.self_attn, proj)
+            take(p + f"self_attn.{proj}.weight", linear.weight, transpose=True)
+            if linear.bias is not None:
+                take(p + f"self_attn.{proj}.bias", linear.bias)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            take(p + f"mlp.{proj}.weight", getattr(layer.mlp, proj).weight, transpose=True)
+        take(p + "input_layernorm.weight", layer.input_layernorm.weight)
+        take(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+    take("model.norm.weight", model.norm.weight)
+    if model.lm_head is not None:
+        take("lm_head.weight", model.lm_head.weight, transpose=True)
+    remaining.pop("lm_head.weight", None)  # a tied checkpoint may still carry a copy
+    remaining = {k: v for k, v in remaining.items() if "rotary_emb" not in k}
+    if remaining:
+        raise ValueError(f"checkpoint has unexpected tensors: {sorted(remaining)[:5]}")
+    return model
