@@ -159,7 +159,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_loop_report(args) -> int:
-    from jaxdecode.looping import model_loop_report
+    from jaxdecode.looped_model import model_loop_report
 
     report = model_loop_report(args.model)
     print(json.dumps(report.to_dict()) if args.json else report.format())

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode.cache import KVCache
+from jaxdecode.looped_model import LoopedForward
 from jaxdecode.model import Transformer
 from jaxdecode.sampling import SamplingParams, sample
 
@@ -75,9 +76,7 @@ class Engine:
         self.cache_dtype = cache_dtype or model.embed_tokens.embedding.dtype
         self._plan = None
         if loop_layers:
-            from jaxdecode import looping
-
-            self._plan = looping.plan_model(self.graphdef, params, self.cfg)
+            self._plan = LoopedForward(self.graphdef, params, self.cfg)
             self.params = self._plan.pack_params(params)
         else:
             self.params = params

@@ -1,0 +1,312 @@
+"""Kernel looping as a jaxpr pass: runs of consecutive calls of one layer become one `lax.scan`.
+
+Kernel looping (arXiv 2410.23668) turns L calls of the same decoder layer into one loop, so the
+runtime pays one synchronization for the loop instead of one per layer. Here it is a pass over
+the jaxpr of a function:
+
+    plan = kernel_loop(step, params, cache, tokens, packed_outputs={1: 1})
+    print(plan.report)                         # what was looped, and why anything was not
+    packed = plan.pack(params, cache, tokens)  # once: per-layer leaves stacked to [L, ...]
+    looped = jax.jit(plan.looped)
+    logits, cache_p = looped(*packed)          # cache_p is Packed, laid out like packed[1]
+    logits, cache_p = looped(packed[0], cache_p, next_tokens)  # the cache stays packed
+    logits, cache = plan.unpack_outputs((logits, cache_p))     # original structure back
+
+**A layer must be a call.** The pass sees only call boundaries: a layer is a `jax.jit` function,
+an `nnx.jit` method, or `jaxdecode.looping.layer(fn)` (a plain `jax.jit` that states the intent),
+called once per layer, e.g. `for l in range(L): x, kv[l] = layer_step(graphdef, state[l], x, kv[l],
+pos)`. Calls of one jit function share their callee jaxpr; separately traced callees are matched by
+a structural key (primitives, params, avals, wiring; see `looping_find.StructuralKeys`). A layer
+body inlined in the caller (a plain Python method) has no boundary and is never looped, even under
+`named_scope`s like `layers_0`, `layers_1`. Do not jit a layer with `inline=True` (or
+`jax.Inline.JAX_EARLY`): that removes the call. Jitted helpers defined inside JAX itself
+(`lax.dynamic_update_index_in_dim`, `jnp.stack`, ...) are not layers; they count as ops.
+
+**Rules.** A run is >= 2 calls of equal callees in one jaxpr, in order, where
+- each call reads at least one output of the previous call (the carry), at the same input
+  positions every time, and no output of any earlier call (no skip connections);
+- every other input is the same value for every call (shared) or one value per call of the same
+  type (stacked);
+- the call has no effects (e.g. `jax.debug.callback`), and no effectful op sits between calls;
+- an op between two calls is allowed if it reads nothing the run computed (it is hoisted before
+  the scan, e.g. slicing the next layer's cache) or if no later call reads its result (it is sunk
+  after the scan, e.g. summing per-layer outputs). An op on the carried path (`x = 2 * x` between
+  layers) or a call of another layer callee ends the run.
+Runs are found at every level: inside jit, custom_jvp/vjp, cond branches, scan and while bodies.
+Structural keys ignore the derivative rules of custom_jvp/custom_vjp calls (every trace re-creates
+them), so the derivative of a looped run uses its first call's rule; values are unaffected.
+
+**Rewrite.** The function is re-traced by an interpreter (nothing is bound with hand-built
+params; an equation with sub-jaxprs is re-bound with its own params, each sub-jaxpr replaced by
+its re-traced, same-typed version). At a run it calls `lax.scan(body, carry, xs, length=L)`: the
+carry holds the carried inputs, `xs` the layer index `arange(L)` and the stacked inputs; the body
+re-binds the original call with its own params (the layer stays a `jit` call inside the body). Outputs needed per
+layer come out stacked `[L, ...]`. With `index_mode="whole"` the stacked inputs are passed whole
+(as scan constants) and the body takes row `i` with `lax.dynamic_index_in_dim`, so a kernel can
+instead read `[L, K, N]` weights in place given the layer index.
+
+**Packing.** Stacked inputs that are leaves of one argument of the function (per-layer weights,
+per-layer caches) are stacked once, by `plan.pack`, into a `Packed` pytree, and the scan reads the
+stacks directly, so the looped step never copies weights per call. Stacked inputs computed inside
+the function, or read by a run nested in a jit/cond/scan of the function, are stacked inside it
+(the report says so; that is a copy per call of `looped`). So give the function per-layer leaves
+(a list of per-layer dicts), not an `[L, ...]` array it slices per layer. A jit wrapping the whole
+function is looked through. `packed_outputs={out_index: argnum}` returns an output subtree (e.g.
+the updated cache) packed like argument `argnum`, so state can stay packed across steps; the
+report notes whether each of its stacks is the scan's own output (no copy).
+
+**Name scopes.** Equations keep their `source_info.name_stack`. The scan is emitted under the
+calls' common scope; per-call scopes `layers_0`, `layers_1`, ... collapse into one body scope
+`layers`. Idempotent: looping a looped function changes nothing (the body holds a single call).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+from jaxdecode.looping_eval import (Packed, PackLayout, _Analysis, _as_stack, _Interpreter, _materialize,
+                                    _stack_spec)
+from jaxdecode.looping_find import Run, callee_of
+from jaxdecode.looping_report import InputReport, LoopReport, RunReport, aval_str
+
+__all__ = ["INDEX_MODES", "LoopPlan", "Packed", "PackLayout", "kernel_loop", "layer"]
+
+INDEX_MODES = ("slice", "whole")
+
+
+def layer(fn: Callable | None = None, *, static_argnums=(), static_argnames=()):
+    """Mark `fn` as a layer: a call boundary the pass can see (it is `jax.jit`, never inlined)."""
+    if fn is None:
+        return functools.partial(layer, static_argnums=static_argnums, static_argnames=static_argnames)
+    return jax.jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
+
+
+
+
+def _peel(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+    """Look through jit calls that wrap the whole function (`kernel_loop(jax.jit(step), ...)`)."""
+    while (len(jaxpr.eqns) == 1 and not jaxpr.consts and jaxpr.eqns[0].primitive.name in ("jit", "pjit")
+           and callee_of(jaxpr.eqns[0]) is not None and not jaxpr.eqns[0].effects
+           and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
+           and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)):
+        jaxpr = jaxpr.eqns[0].params["jaxpr"]
+    return jaxpr
+
+
+def _labels(jaxpr: jcore.Jaxpr, names: str, count: int, default: str) -> list[str]:
+    found = getattr(jaxpr.debug_info, names, None)
+    return list(found) if found and len(found) == count else [f"{default}{i}" for i in range(count)]
+
+
+class LoopPlan:
+    """The looped version of a function, how its arguments are packed, and a report.
+
+    Attributes:
+      report: `LoopReport`; `str(report)` is the text `jaxdecode loop-report` prints.
+      layouts: argnum -> `PackLayout` for each packed argument.
+      packed_outputs: out_index -> argnum whose layout that output subtree is packed with.
+    """
+
+    def __init__(self, fn: Callable, args: tuple, index_mode: str,
+                 packed_argnums: tuple[int, ...] | None, packed_outputs: Mapping[int, int]):
+        if index_mode not in INDEX_MODES:
+            raise ValueError(f"index_mode must be one of {INDEX_MODES}, got {index_mode!r}")
+        self.index_mode = index_mode
+        self._arg_trees = [jax.tree_util.tree_structure(a) for a in args]
+        jaxpr, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        self.original_jaxpr = jaxpr
+        self._out_shape = out_shape
+        self._root = _peel(jaxpr)
+        self._analysis = _Analysis()
+        self._analysis.analyze(self._root, getattr(fn, "__name__", "fn"))
+        self._interp = _Interpreter(self._analysis, index_mode)
+        self._specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                       for a in self._root.in_avals]
+        offsets = [0]
+        for tree in self._arg_trees:
+            offsets.append(offsets[-1] + tree.num_leaves)
+        self._arg_offsets = offsets
+        self.layouts = self._plan_packing(packed_argnums)
+        self.packed_outputs = dict(packed_outputs)
+        notes = self._check_packed_outputs()
+        self.report = LoopReport([self._run_report(r, w) for r, w in self._analysis.runs()],
+                                 list(self._analysis.skips), index_mode, notes)
+
+    # --- packing -----------------------------------------------------------------------------------
+    def _arg_of(self, leaf: int) -> tuple[int, int]:
+        for a in range(len(self._arg_trees)):
+            if leaf < self._arg_offsets[a + 1]:
+                return a, leaf - self._arg_offsets[a]
+        raise IndexError(leaf)
+
+    def _plan_packing(self, packed_argnums) -> dict[int, PackLayout]:
+        """Group the top-level leaves that root-level runs read per call into stacks."""
+        leaf_of = {v: i for i, v in enumerate(self._root.invars)}
+        groups: dict[int, list[tuple[int, ...]]] = {}
+        used: set[int] = set()
+        self._packed_inputs: dict[tuple[int, int], int] = {}  # (id(run), position) -> argnum
+        for run in self._analysis.levels[id(self._root)][2]:
+            for p in run.stacked:
+                leaves = [leaf_of.get(eqn.invars[p]) for eqn in run.calls]
+                if None in leaves or len(set(leaves)) < len(leaves) or used & set(leaves):
+                    continue
+                where = [self._arg_of(i) for i in leaves]
+                argnum = where[0][0]
+                if any(a != argnum for a, _ in where) or (
+                    packed_argnums is not None and argnum not in packed_argnums):
+                    continue
+                groups.setdefault(argnum, []).append(tuple(i for _, i in where))
+                used.update(leaves)
+                self._packed_inputs[(id(run), p)] = argnum
+        layouts = {}
+        for argnum, gs in sorted(groups.items()):
+            grouped = {i for g in gs for i in g}
+            rest = tuple(i for i in range(self._arg_trees[argnum].num_leaves) if i not in grouped)
+            layouts[argnum] = PackLayout(self._arg_trees[argnum], tuple(gs), rest)
+        return layouts
+
+    def _out_offsets(self) -> list[int]:
+        if not isinstance(self._out_shape, (tuple, list)):
+            raise ValueError("packed_outputs needs a function that returns a tuple or list")
+        offsets = [0]
+        for out in self._out_shape:
+            offsets.append(offsets[-1] + len(jax.tree_util.tree_leaves(out)))
+        return offsets
+
+    def _check_packed_outputs(self) -> list[str]:
+        notes = [f"argument {a}: {len(l.groups)} stack(s) of {len(l.groups[0])} leaves packed, "
+                 f"{len(l.rest)} leaves passed through" for a, l in self.layouts.items()]
+        if not self.packed_outputs:
+            return notes
+        offsets = self._out_offsets()
+        from_run = {}  # root outvar -> (run, output position, call number)
+        for run in self._analysis.levels[id(self._root)][2]:
+            for k, eqn in enumerate(run.calls):
+                from_run.update((eqn.outvars[j], (id(run), j, k)) for j in run.ys)
+        for o, argnum in self.packed_outputs.items():
+            layout = self.layouts.get(argnum)
+            tree = jax.tree_util.tree_structure(self._out_shape[o])
+            if layout is None or tree != layout.treedef:
+                raise ValueError(f"output {o} cannot be packed like argument {argnum}: "
+                                 + ("that argument is not packed" if layout is None else
+                                    f"structure {tree} differs from {layout.treedef}"))
+            outvars = self._root.outvars[offsets[o]:offsets[o + 1]]
+            for g, group in enumerate(layout.groups):
+                srcs = [from_run.get(outvars[i]) for i in group]
+                direct = None not in srcs and len({s[:2] for s in srcs}) == 1 and all(
+                    s[2] == k for k, s in enumerate(srcs))
+                notes.append(f"output {o} stack {g}: " + ("the scan's stacked output (no copy)" if direct
+                                                           else "restacked inside the function (a copy)"))
+        return notes
+
+    def pack(self, *args) -> tuple:
+        """`args` with each packed argument replaced by its `Packed` form (stacks built once)."""
+        return tuple(Packed.pack(a, self.layouts[i]) if i in self.layouts else a
+                     for i, a in enumerate(args))
+
+    def packed_shapes(self) -> tuple:
+        """`pack` applied to the traced argument shapes (`jax.ShapeDtypeStruct` leaves)."""
+        specs = self._specs if self._root is self.original_jaxpr else [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in self.original_jaxpr.in_avals]
+        args = [jax.tree_util.tree_unflatten(t, specs[self._arg_offsets[i]:self._arg_offsets[i + 1]])
+                for i, t in enumerate(self._arg_trees)]
+        return tuple(Packed.pack(a, self.layouts[i], _stack_spec) if i in self.layouts else a
+                     for i, a in enumerate(args))
+
+    # --- the looped function -----------------------------------------------------------------------
+    def looped(self, *args):
+        """The function with its runs looped; packed arguments must come from `pack`."""
+        if len(args) != len(self._arg_trees):
+            raise TypeError(f"expected {len(self._arg_trees)} arguments, got {len(args)}")
+        flat: list[Any] = []
+        for i, arg in enumerate(args):
+            if i in self.layouts:
+                if not isinstance(arg, Packed):
+                    raise TypeError(f"argument {i} must be packed: pass plan.pack(...)[{i}]")
+                flat += arg.leaves(lazy=True)
+            else:
+                flat += jax.tree_util.tree_leaves(arg)
+        outs = self._interp.eval(self._root, flat)
+        if not self.packed_outputs:
+            return jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(self._out_shape), [_materialize(x) for x in outs])
+        offsets, result = self._out_offsets(), []
+        for o, shape in enumerate(self._out_shape):
+            leaves = outs[offsets[o]:offsets[o + 1]]
+            argnum = self.packed_outputs.get(o)
+            if argnum is None:
+                result.append(jax.tree_util.tree_unflatten(
+                    jax.tree_util.tree_structure(shape), [_materialize(x) for x in leaves]))
+            else:
+                layout = self.layouts[argnum]
+                result.append(Packed([_as_stack([leaves[i] for i in g]) for g in layout.groups],
+                                     [_materialize(leaves[i]) for i in layout.rest], layout))
+        return type(self._out_shape)(result)
+
+    def unpack_outputs(self, outputs):
+        """`looped`'s outputs in the original function's structure (packed outputs unpacked)."""
+        if not self.packed_outputs:
+            return outputs
+        return type(outputs)(o.unpack() if isinstance(o, Packed) else o for o in outputs)
+
+    @functools.cached_property
+    def jaxpr(self) -> jcore.Jaxpr:
+        """The jaxpr of `looped` on the packed argument shapes."""
+        return jax.make_jaxpr(self.looped)(*self.packed_shapes())
+
+    # --- report ------------------------------------------------------------------------------------
+    def _run_report(self, run: Run, where: str) -> RunReport:
+        callee = run.calls[0].params["jaxpr"]
+        in_labels = _labels(callee, "arg_names", len(callee.invars), "in")
+        out_labels = _labels(callee, "result_paths", len(callee.outvars), "out")
+        at_root = any(r is run for r in self._analysis.levels[id(self._root)][2])
+        inputs = []
+        for p, (label, aval) in enumerate(zip(in_labels, callee.in_avals)):
+            if p in run.carry:
+                kind, source = "carried", f"from output {run.carry[p]} ({out_labels[run.carry[p]]})"
+            elif p in run.shared:
+                kind, source = "shared", "closed over by the scan body"
+            else:
+                kind = "stacked"
+                argnum = self._packed_inputs.get((id(run), p))
+                source = (f"packed: argument {argnum}" if argnum is not None else
+                          "stacked inside the function (" + ("computed inside it or argument not packed)"
+                                                             if at_root else "run is nested)"))
+                if self.index_mode == "whole":
+                    source += "; body takes row i with dynamic_index_in_dim"
+            inputs.append(InputReport(p, label, aval_str(aval), kind, source))
+        outputs = []
+        for j, (label, aval) in enumerate(zip(out_labels, callee.out_avals)):
+            carried_into = [p for p, jj in run.carry.items() if jj == j]
+            parts = [f"carried into input {carried_into[0]}"] if carried_into else []
+            if j in run.ys:
+                parts.append(f"per call, stacked [{run.length},...]")
+            outputs.append(f"out{j:<3d} {label:40s} {aval_str(aval):16s} " + (", ".join(parts) or "unused"))
+        scope = "/".join(s for s in (str(run.name_stack), run.body_scope) if s)
+        return RunReport(str(run.calls[0].params.get("name", run.calls[0].primitive.name)), run.length,
+                         where, scope, inputs, outputs, len(run.hoisted), len(run.sunk))
+
+
+def kernel_loop(fn: Callable, *args, index_mode: str = "slice",
+                packed_argnums: tuple[int, ...] | None = None,
+                packed_outputs: Mapping[int, int] | None = None) -> LoopPlan:
+    """Analyse `fn` at `args` (arrays or `jax.ShapeDtypeStruct`s) and plan its kernel looping.
+
+    Args:
+      fn: the function; its layers must be calls (see the module docstring).
+      *args: example arguments or their shapes; `fn` is traced once with `jax.make_jaxpr`.
+      index_mode: "slice" (the scan slices stacked inputs) or "whole" (the body receives whole
+        `[L, ...]` stacks plus the layer index and takes its row with `dynamic_index_in_dim`).
+      packed_argnums: arguments whose per-layer leaves `pack` stacks; default all that have some.
+      packed_outputs: {out_index: argnum}: return that output subtree packed like that argument.
+
+    Returns:
+      A `LoopPlan`: `pack`, `looped`, `unpack_outputs`, `report`, `jaxpr`.
+    """
+    return LoopPlan(fn, args, index_mode, packed_argnums, packed_outputs or {})

@@ -1,0 +1,78 @@
+"""The command line: --json output, and exit code 2 with exactly one line on stderr for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxdecode.cli import main
+from jaxdecode.weights.gguf import default_model_path
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_answers_paris(capsys):
+    code, out, err = _run(["generate", "What is the capital of France?", "--chat", "--json",
+                           "--max-new-tokens", "24"], capsys)
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "Paris" in result["text"]
+    assert {"text", "token_ids", "prefill_ms", "decode_tok_s"} <= result.keys()
+    assert 0 < len(result["token_ids"]) <= 24 and result["decode_tok_s"] > 0
+
+
+def _gguf_variant(tmp_path, name, mutate):
+    data = bytearray(default_model_path().read_bytes()[: 1 << 20] if mutate == "truncate" else b"")
+    if mutate == "magic":
+        data = bytearray(b"GGUX" + default_model_path().read_bytes()[4:4096])
+    path = tmp_path / name
+    path.write_bytes(bytes(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "nonexistent"),
+    (["generate", "hi", "--model", "llama-8b"], "llama-8b"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--temperature", "nan"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "hi", "--top-k", "-3"], "top_k"),
+    (["generate", ""], "empty prompt"),
+    (["generate", "hi", "--max-new-tokens", "many"], "invalid int"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_input_exits_2_with_one_line(argv, match, capsys):
+    code, out, err = _run(argv, capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and match in err, err
+
+
+@pytest.mark.parametrize("mutate, match", [("truncate", "truncated"), ("magic", "magic")])
+def test_bad_gguf_exits_2(tmp_path, mutate, match, capsys):
+    code, _, err = _run(["generate", "hi", "--model", _gguf_variant(tmp_path, "bad.gguf", mutate)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and match in err.lower(), err
+
+
+def test_prompt_longer_than_context_exits_2(capsys):
+    code, _, err = _run(["generate", "word " * 9000, "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "exceeds the model's context of 8192" in err
+
+
+def test_real_process_prints_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "jaxdecode.cli", "generate", "hi", "--top-k", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["jaxdecode: error: top_k must be an integer >= 0, got -1"]
+
+
+def test_help_on_every_command():
+    for cmd in ([], ["generate"], ["chat"], ["bench"], ["loop-report"]):
+        proc = subprocess.run([sys.executable, "-m", "jaxdecode.cli", *cmd, "--help"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0 and "usage: jaxdecode" in proc.stdout
