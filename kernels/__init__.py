@@ -1,0 +1,5 @@
+"""Pallas GPU kernels for decode (FlashDecoding++): decode_attention, flat_gemm, dispatch, shapes.
+
+No imports from jaxdecode or rdu. Each kernel module reads: kernel body, pallas_call / plgpu.kernel
+wrapper, public jitted op, pure-jnp reference.
+"""

@@ -1,0 +1,389 @@
+"""Split-K decode attention with FlashDecoding++'s asynchronous softmax (unified max value φ).
+
+softmax(x)_i = e^{x_i-φ} / Σ_j e^{x_j-φ} holds for any φ. So every split of the cache computes its
+partial numerator Σ e^{x-φ}·v and denominator Σ e^{x-φ} on its own, and one final reduction adds
+them: there is no running max and no rescale between splits (FlashDecoding++, arXiv 2311.01282 §3).
+A row is unsafe when its logits leave the window around φ: then e^{x-φ} overflows or the denominator
+underflows. Each row's denominator l = Σ e^{x-φ} lies in [e^{max-φ}, S·e^{max-φ}], so checking
+lo <= log(l) <= hi (and a finite output) after the fact catches both; those rows are recomputed with
+the synchronized kernel (online softmax, the FlashDecoding scheme), so the result is always right.
+Only the (sequence, kv head) programs that hold a flagged row do work in the second launch.
+
+Layout: q [B, T, N, H], cache k/v [B, S, K, H], lengths [B] = valid cache entries, the T new tokens
+included (query t sits at position lengths-T+t and sees positions <= its own). Rows of one program
+are the T·G query rows that share one kv head, r = t·G + g, padded to a power of two >= 16.
+
+What runs where: both kernels are `pl.pallas_call` kernels. On the GPU they lower through
+Pallas-Triton, which jax 0.11 deprecates; a Mosaic GPU port (as kernels/flat_gemm.py has) is open
+debt. On the CPU the same kernel bodies run with `interpret=True`; that is what CI tests.
+Measured on an H200 (benchmarks/KERNELS_RESULTS.md): the second launch of the fallback costs
+10-15 µs per call even when no row is flagged; without it the async kernel ties the sync one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_NEG = -1e30  # finite "minus infinity" for the synchronized kernel's running max
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tunables. num_splits=None picks enough splits to give every SM about two programs."""
+
+  block_k: int = 64  # cache positions per loop step (power of two)
+  num_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+  target_programs: int = 264  # 2 x 132 SMs on an H200
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxWindow:
+  """Safe window for log(Σ e^{x-φ}) relative to φ. e^88 overflows f32 and e^-87 is subnormal; the
+  margins keep Σ e^{x-φ}·v finite for |v| up to ~1e9 and the largest term a normal float."""
+
+  lo: float = -60.0
+  hi: float = 60.0
+
+
+class AsyncInfo(NamedTuple):
+  recomputed: jax.Array  # [B, T, N] bool: row left the window and came from the synchronized kernel
+  lse: jax.Array  # [B, T, N] f32: log Σ e^{x} of each row (for calibrating φ)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel bodies
+
+
+def _row_limits(length, *, rows: int, group: int, tokens: int):
+  """Exclusive end position of each row's visible cache: causal over the T new tokens."""
+  t = jnp.minimum(jnp.arange(rows, dtype=jnp.int32) // group, tokens - 1)  # [R]
+  return length - (tokens - 1 - t)  # [R]
+
+
+def _num_blocks(length, split_start, split_len: int, block_k: int):
+  n = (length - split_start + block_k - 1) // block_k
+  return jnp.clip(n, 0, split_len // block_k)
+
+
+def _async_kernel(
+    # inputs
+    len_ref,  # [] int32
+    phi_ref,  # [] f32, the unified max value φ
+    q_ref,  # [R, H]
+    k_ref,  # [S/splits, H]
+    v_ref,  # [S/splits, H]
+    # outputs
+    acc_ref,  # [R, H] f32: Σ e^{x-φ}·v over this split
+    l_ref,  # [R] f32: Σ e^{x-φ} over this split
+    *,
+    sm_scale: float,
+    block_k: int,
+    group: int,
+    tokens: int,
+):
+  rows, head_dim = q_ref.shape
+  split_len = k_ref.shape[0]
+  split_start = pl.program_id(2) * split_len
+  length, phi = len_ref[()], phi_ref[()]
+  row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
+  q = q_ref[...]  # [R, H]
+
+  def body(i, carry):
+    acc, l = carry  # [R, H], [R]
+    ks = pl.ds(i * block_k, block_k)
+    s = jnp.dot(q, k_ref[ks, :].T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
+    pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+    p = jnp.where(pos[None, :] < row_end[:, None], jnp.exp(s - phi), 0.0)  # [R, bk]
+    v = v_ref[ks, :]  # [bk, H]
+    acc = acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc, l + p.sum(axis=1)
+
+  n = _num_blocks(length, split_start, split_len, block_k)
+  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows,), jnp.float32))
+  acc, l = lax.fori_loop(0, n, body, init)
+  acc_ref[...] = acc
+  l_ref[...] = l
+
+
+def _sync_kernel(
+    # inputs
+    len_ref,  # [] int32
+    active_ref,  # [] int32: 0 skips the program (rows that need no recompute)
+    q_ref,  # [R, H]
+    k_ref,  # [S/splits, H]
+    v_ref,  # [S/splits, H]
+    # outputs
+    acc_ref,  # [R, H] f32: Σ e^{x-m}·v
+    l_ref,  # [R] f32: Σ e^{x-m}
+    m_ref,  # [R] f32: running max m of this split
+    *,
+    sm_scale: float,
+    block_k: int,
+    group: int,
+    tokens: int,
+):
+  rows, head_dim = q_ref.shape
+  split_len = k_ref.shape[0]
+  split_start = pl.program_id(2) * split_len
+  length = len_ref[()]
+  row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
+  q = q_ref[...]  # [R, H]
+
+  def body(i, carry):
+    acc, l, m = carry  # [R, H], [R], [R]
+    ks = pl.ds(i * block_k, block_k)
+    s = jnp.dot(q, k_ref[ks, :].T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
+    pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+    mask = pos[None, :] < row_end[:, None]  # [R, bk]
+    s = jnp.where(mask, s, _NEG)
+    m_next = jnp.maximum(m, s.max(axis=1))  # the synchronization FlashDecoding++ removes
+    correction = jnp.exp(m - m_next)  # [R]
+    p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [R, bk]
+    v = v_ref[ks, :]  # [bk, H]
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return correction[:, None] * acc + pv, correction * l + p.sum(axis=1), m_next
+
+  n = _num_blocks(length, split_start, split_len, block_k)
+  n = jnp.where(active_ref[()] != 0, n, 0)
+  init = (
+      jnp.zeros((rows, head_dim), jnp.float32),
+      jnp.zeros((rows,), jnp.float32),
+      jnp.full((rows,), _NEG, jnp.float32),
+  )
+  acc, l, m = lax.fori_loop(0, n, body, init)
+  acc_ref[...] = acc
+  l_ref[...] = l
+  m_ref[...] = m
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrapper
+
+
+def _num_splits(batch: int, kv_heads: int, cache_len: int, cfg: BlockSizes) -> int:
+  if cache_len % cfg.block_k:
+    raise ValueError(f"{cache_len=} must be a multiple of {cfg.block_k=}")
+  blocks = cache_len // cfg.block_k
+  if cfg.num_splits is not None:
+    if blocks % cfg.num_splits:
+      raise ValueError(f"{cfg.num_splits=} must divide {blocks} blocks of {cfg.block_k}")
+    return cfg.num_splits
+  want = max(1, -(-cfg.target_programs // (batch * kv_heads)))
+  return max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= want)
+
+
+def _attention_call(kernel, scalars, q, k, v, *, num_out: int, sm_scale, group, tokens, cfg,
+                    interpret):
+  """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs."""
+  batch, kv_heads, rows, head_dim = q.shape  # [B, K, R, H]
+  cache_len = k.shape[1]  # k: [B, S, K, H]
+  splits = _num_splits(batch, kv_heads, cache_len, cfg)
+  split_len = cache_len // splits
+  per_seq = pl.BlockSpec((None,), lambda b, h, s: (b,))  # [B] -> []
+  per_head = pl.BlockSpec((None, None), lambda b, h, s: (b, h))  # [B, K] -> []
+  kv_spec = pl.BlockSpec((None, split_len, None, head_dim), lambda b, h, s: (b, s, h, 0))
+  in_specs = [per_seq if x.ndim == 1 else per_head for x in scalars] + [
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+      kv_spec,
+      kv_spec,
+  ]
+  out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0))]
+  for _ in range(num_out - 1):
+    out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
+  return pl.pallas_call(
+      functools.partial(kernel, sm_scale=sm_scale, block_k=cfg.block_k, group=group,
+                        tokens=tokens),
+      out_shape=out_shape,
+      grid=(batch, kv_heads, splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      compiler_params=None if interpret else pltriton.CompilerParams(
+          num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=interpret,
+      name=kernel.__name__.strip("_"),
+  )(*scalars, q, k, v)
+
+
+def _to_rows(q, kv_heads: int):
+  """q [B, T, N, H] -> [B, K, R, H], rows r = t·G + g padded to R = max(16, 2^⌈log2 T·G⌉)."""
+  batch, tokens, heads, head_dim = q.shape
+  group = heads // kv_heads
+  rows = max(16, pl.next_power_of_2(tokens * group))
+  q = q.reshape(batch, tokens, kv_heads, group, head_dim)  # [B, T, K, G, H]
+  q = q.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, tokens * group, head_dim)  # [B,K,TG,H]
+  return jnp.pad(q, ((0, 0), (0, 0), (0, rows - tokens * group), (0, 0)))  # [B, K, R, H]
+
+
+def _from_rows(x, tokens: int, group: int):
+  """x [B, K, R, ...] -> [B, T, N, ...]: drops the padded rows."""
+  batch, kv_heads = x.shape[:2]
+  x = x[:, :, : tokens * group].reshape(batch, kv_heads, tokens, group, *x.shape[3:])
+  x = jnp.moveaxis(x, 2, 1)  # [B, T, K, G, ...]
+  return x.reshape(batch, tokens, kv_heads * group, *x.shape[4:])  # [B, T, N, ...]
+
+
+def _sync_partials(q_rows, k, v, lengths, active, *, sm_scale, group, tokens, cfg, interpret):
+  acc, l, m = _attention_call(
+      _sync_kernel, (lengths, active), q_rows, k, v, num_out=3, sm_scale=sm_scale, group=group,
+      tokens=tokens, cfg=cfg, interpret=interpret)
+  m_all = m.max(axis=2, keepdims=True)  # [B, K, 1, R]
+  correction = jnp.exp(m - m_all)  # [B, K, splits, R]
+  l = (correction * l).sum(axis=2)  # [B, K, R]
+  o = (correction[..., None] * acc).sum(axis=2) / l[..., None]  # [B, K, R, H]
+  return o, jnp.log(l) + m_all[:, :, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops
+
+
+def _check(q, k, v, lengths):
+  batch, _, heads, head_dim = q.shape
+  if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+    raise ValueError(f"cache shapes {k.shape}, {v.shape} do not match q {q.shape}")
+  if heads % k.shape[2]:
+    raise ValueError(f"query heads {heads} not a multiple of kv heads {k.shape[2]}")
+  if lengths.shape != (batch,):
+    raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "window", "block_sizes", "recompute",
+                                             "interpret"))
+def decode_attention_async(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    lengths: jax.Array,  # [B] int32
+    phi: jax.Array | float,  # [] f32 unified max value (may be traced: one per layer)
+    *,
+    sm_scale: float | None = None,
+    window: SoftmaxWindow = SoftmaxWindow(),
+    block_sizes: BlockSizes = BlockSizes(),
+    recompute: bool = True,
+    interpret: bool = False,
+) -> tuple[jax.Array, AsyncInfo]:
+  """Decode attention with one unified max φ; rows outside the window are recomputed.
+
+  Equivalent to the following JAX code (ignoring the returned AsyncInfo):
+
+    s = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(B, T, K, G, H), k) * sm_scale
+    s = jnp.where(visible, s, -jnp.inf)   # visible: pos <= lengths - T + t
+    o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
+  """
+  _check(q, k, v, lengths)
+  batch, tokens, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  lengths = lengths.astype(jnp.int32)
+  phi_b = jnp.broadcast_to(jnp.asarray(phi, jnp.float32), (batch,))  # [B]
+  q_rows = _to_rows(q, kv_heads)  # [B, K, R, H]
+  kw = dict(sm_scale=sm_scale, group=group, tokens=tokens, cfg=block_sizes, interpret=interpret)
+  acc, l = _attention_call(_async_kernel, (lengths, phi_b), q_rows, k, v, num_out=2, **kw)
+  l = l.sum(axis=2)  # [B, K, R]: the one final reduction
+  o = acc.sum(axis=2) / l[..., None]  # [B, K, R, H]
+  log_l = jnp.log(l)  # [B, K, R], relative to φ
+  safe = (log_l >= window.lo) & (log_l <= window.hi) & jnp.isfinite(o).all(axis=-1)
+  safe = safe.at[:, :, tokens * group:].set(True)  # padded rows
+  lse = log_l + phi_b[:, None, None]
+  if recompute:
+    active = (~safe).any(axis=2).astype(jnp.int32)  # [B, K]
+    o_sync, lse_sync = _sync_partials(q_rows, k, v, lengths, active, **kw)
+    o = jnp.where(safe[..., None], o, o_sync)
+    lse = jnp.where(safe, lse, lse_sync)
+  info = AsyncInfo(recomputed=_from_rows(~safe, tokens, group), lse=_from_rows(lse, tokens, group))
+  return _from_rows(o, tokens, group).astype(q.dtype), info
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+def decode_attention_sync(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    lengths: jax.Array,  # [B] int32
+    *,
+    sm_scale: float | None = None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+) -> jax.Array:
+  """Split-K decode attention with the synchronized (online, running-max) softmax.
+
+  Equivalent to the following JAX code:
+
+    s = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(B, T, K, G, H), k) * sm_scale
+    s = jnp.where(visible, s, -jnp.inf)   # visible: pos <= lengths - T + t
+    o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
+  """
+  _check(q, k, v, lengths)
+  batch, tokens, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  q_rows = _to_rows(q, kv_heads)  # [B, K, R, H]
+  active = jnp.ones((batch, kv_heads), jnp.int32)
+  o, _ = _sync_partials(q_rows, k, v, lengths.astype(jnp.int32), active, sm_scale=sm_scale,
+                        group=group, tokens=tokens, cfg=block_sizes, interpret=interpret)
+  return _from_rows(o, tokens, group).astype(q.dtype)
+
+
+def calibrate_phi(row_stats, *, coverage: float = 0.9999,
+                  window: SoftmaxWindow = SoftmaxWindow()) -> tuple[float, float]:
+  """φ from observed per-row statistics (max logits or log-sum-exps of real prompts).
+
+  Centers φ on the central `coverage` mass of the observations, so that rows seen in calibration
+  stay inside the window with the most margin on both sides. Returns (φ, fraction of the observed
+  rows that the window around φ covers). The caller stores φ per model or per layer.
+  """
+  x = np.asarray(row_stats, np.float64).ravel()
+  x = x[np.isfinite(x)]
+  if x.size == 0:
+    raise ValueError("calibrate_phi needs at least one finite observation")
+  tail = (1.0 - coverage) / 2
+  lo, hi = np.quantile(x, [tail, 1.0 - tail])
+  phi = float((lo + hi) / 2)
+  inside = ((x - phi) >= window.lo) & ((x - phi) <= window.hi)
+  return phi, float(inside.mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def decode_attention_reference(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    lengths: jax.Array,  # [B] int32
+    *,
+    sm_scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Plain softmax attention in f32. Returns (o [B, T, N, H] in q.dtype, lse [B, T, N] f32)."""
+  batch, tokens, heads, head_dim = q.shape
+  cache_len, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  qg = q.reshape(batch, tokens, kv_heads, group, head_dim).astype(jnp.float32)  # [B,T,K,G,H]
+  s = jnp.einsum("BTKGH,BSKH->BTKGS", qg, k.astype(jnp.float32)) * sm_scale
+  pos = jnp.arange(cache_len)  # [S]
+  last = lengths[:, None] - tokens + jnp.arange(tokens)[None, :]  # [B, T]
+  visible = pos[None, None, :] <= last[:, :, None]  # [B, T, S]
+  s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)  # [B, T, K, G, S]
+  lse = jax.nn.logsumexp(s, axis=-1)  # [B, T, K, G]
+  o = jnp.einsum("BTKGS,BSKH->BTKGH", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+  return (o.reshape(batch, tokens, heads, head_dim).astype(q.dtype),
+          lse.reshape(batch, tokens, heads))

@@ -1,0 +1,131 @@
+"""kernels/decode_attention.py against its jnp reference: compiled on a GPU, interpreted on the CPU.
+
+tests/conftest.py pins JAX to the CPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu (the
+interpret-mode subclass needs the CPU device for its callbacks).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import decode_attention as da
+from kernels.shapes import TEST_ATTENTION
+
+ON_GPU = jax.default_backend() == "gpu"
+# bf16 output rounding (2^-8 relative) plus P cast to bf16 before the P·V dot, on outputs of size ~1.
+ATOL = {jnp.bfloat16: 2e-2}
+# Small blocks so that the CPU interpreter runs several splits and loop steps per split.
+BLOCKS = da.BlockSizes(block_k=32, num_splits=2)
+
+
+def _inputs(shape, seed=0, lengths=None):
+  b, t, n, kh, h, s = (shape.batch, shape.tokens, shape.num_heads, shape.num_kv_heads,
+                       shape.head_dim, shape.cache_len)
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.bfloat16)
+  if lengths is None:  # ragged: one short sequence, one full, the rest in between
+    lengths = np.linspace(t + 4, s, b).astype(np.int32)[::-1].copy()
+  return q, k, v, jnp.asarray(lengths, jnp.int32)
+
+
+def _close(out, ref, dtype=jnp.bfloat16):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  diff = np.abs(out - ref)
+  assert np.isfinite(out).all(), "non-finite output"
+  assert diff.max() <= ATOL[dtype], f"max diff {diff.max():.3g}, mean {diff.mean():.3g}"
+
+
+class TestDecodeAttention:
+  INTERPRET = False
+
+  def setup_method(self):
+    if not self.INTERPRET and not ON_GPU:
+      pytest.skip("compiled Pallas kernels need a GPU")
+
+  def _async(self, q, k, v, lengths, phi, **kw):
+    return da.decode_attention_async(q, k, v, lengths, phi, block_sizes=BLOCKS,
+                                     interpret=self.INTERPRET, **kw)
+
+  @pytest.mark.parametrize("name", list(TEST_ATTENTION))
+  def test_async_matches_reference(self, name):
+    q, k, v, lengths = _inputs(TEST_ATTENTION[name])
+    ref, ref_lse = da.decode_attention_reference(q, k, v, lengths)
+    out, info = self._async(q, k, v, lengths, 0.0, recompute=False)  # fallback: tests below
+    _close(out, ref)
+    assert not info.recomputed.any(), "φ=0 suits N(0,1) logits: nothing should be flagged"
+    np.testing.assert_allclose(info.lse, ref_lse, atol=1e-3)
+
+  @pytest.mark.parametrize("name", ["tiny_gqa3_b3_s128", "tiny_gqa4_t3_b2_s128"])
+  def test_sync_matches_reference(self, name):
+    q, k, v, lengths = _inputs(TEST_ATTENTION[name], seed=1)
+    ref, _ = da.decode_attention_reference(q, k, v, lengths)
+    out = da.decode_attention_sync(q, k, v, lengths, block_sizes=BLOCKS,
+                                   interpret=self.INTERPRET)
+    _close(out, ref)
+
+  @pytest.mark.parametrize("phi", [300.0, -300.0])  # overflow / denominator underflow
+  def test_bad_phi_recomputes_every_row(self, phi):
+    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"], seed=2)
+    ref, _ = da.decode_attention_reference(q, k, v, lengths)
+    out, info = self._async(q, k, v, lengths, phi)
+    _close(out, ref)
+    assert info.recomputed.all()
+    unsafe, _ = self._async(q, k, v, lengths, phi, recompute=False)
+    assert not np.allclose(np.asarray(unsafe, np.float32), np.asarray(ref, np.float32),
+                           atol=ATOL[jnp.bfloat16], equal_nan=False), "the fallback was not needed"
+
+  def test_flags_name_exactly_the_overflowing_rows(self):
+    shape = TEST_ATTENTION["tiny_gqa4_b2_s256"]
+    q, k, v, lengths = _inputs(shape, seed=3)
+    q = q.at[1, 0, 5].multiply(200.0)  # one row (b=1, n=5) with logits ~ +1e3: e^{x-φ} overflows
+    ref, _ = da.decode_attention_reference(q, k, v, lengths)
+    out, info = self._async(q, k, v, lengths, 0.0)
+    _close(out, ref)
+    expected = np.zeros((shape.batch, shape.tokens, shape.num_heads), bool)
+    expected[1, 0, 5] = True
+    np.testing.assert_array_equal(info.recomputed, expected)
+
+  def test_traced_phi_per_layer_in_scan(self):
+    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b1_s128"], seed=4)
+    ref, _ = da.decode_attention_reference(q, k, v, lengths)
+    phis = jnp.array([0.0, 500.0], jnp.float32)  # layer 1 has a hopeless φ
+
+    def body(_, phi):
+      out, info = self._async(q, k, v, lengths, phi)
+      return None, (out, info.recomputed.mean())
+
+    _, (outs, rates) = jax.lax.scan(body, None, phis)
+    _close(outs[0], ref)
+    _close(outs[1], ref)
+    np.testing.assert_array_equal(rates, [0.0, 1.0])
+
+
+class TestDecodeAttentionInterpret(TestDecodeAttention):
+  INTERPRET = True
+
+
+def test_calibrate_phi_centers_the_window():
+  rng = np.random.default_rng(0)
+  maxima = rng.normal(12.0, 2.0, size=10_000)
+  phi, covered = da.calibrate_phi(maxima)
+  assert abs(phi - 12.0) < 0.5
+  assert covered == 1.0
+  phi, covered = da.calibrate_phi(np.r_[maxima, 400.0], coverage=0.999,
+                                  window=da.SoftmaxWindow(-5.0, 5.0))
+  assert 0.9 < covered < 1.0  # the 400 outlier and the tails beyond ±5 fall outside
+
+
+def test_calibrate_phi_rejects_empty():
+  with pytest.raises(ValueError):
+    da.calibrate_phi([np.nan])
+
+
+def test_bad_shapes_raise():
+  q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b1_s128"])
+  with pytest.raises(ValueError):
+    da.decode_attention_async(q, k, v[:, :64], lengths, 0.0, interpret=True)
+  with pytest.raises(ValueError):
+    da.decode_attention_sync(q, k, v, lengths[None], interpret=True)

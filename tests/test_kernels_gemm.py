@@ -1,0 +1,118 @@
+"""kernels/flat_gemm.py against its jnp reference: compiled on a GPU, interpreted on the CPU.
+
+The Mosaic GPU kernel runs on the CPU through Mosaic GPU's own interpreter
+(`plgpu.InterpretGPUParams`: shared memory, TMA, barriers, wgmma); the Triton-flavoured kernel
+through Pallas' HLO interpreter. tests/conftest.py pins JAX to the CPU; on a GPU machine run with
+JAX_PLATFORMS=cuda,cpu (the interpret-mode subclass needs the CPU device for its callbacks).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import flat_gemm as fg
+from kernels.shapes import TEST_GEMM
+
+ON_HOPPER = jax.default_backend() == "gpu" and any(
+    s in jax.devices()[0].device_kind for s in ("H100", "H200"))
+# bf16 output rounding (2^-8 relative) of values ~1, and a different f32 summation order over K.
+ATOL = {jnp.bfloat16: 2e-2}
+RTOL = {jnp.bfloat16: 1e-2}
+BLOCKS = fg.BlockSizes(tile_n=64, tile_k=128, max_concurrent_steps=2)  # 2 k-steps at K=256
+
+
+def _inputs(shape, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(ks[0], (shape.m, shape.k), jnp.bfloat16)
+  scale = 1.0 / np.sqrt(shape.k)
+  w = (jax.random.normal(ks[1], (shape.layers, shape.k, shape.n)) * scale).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(ks[2], (shape.layers, shape.k, shape.n)) * scale).astype(jnp.bfloat16)
+  r = jax.random.normal(ks[3], (shape.m, shape.n), jnp.bfloat16)
+  return x, w, w2, r
+
+
+def _close(out, ref, dtype=jnp.bfloat16):
+  assert out.shape == ref.shape and out.dtype == ref.dtype
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  diff = np.abs(out - ref)
+  ok = diff <= ATOL[dtype] + RTOL[dtype] * np.abs(ref)
+  assert ok.all(), f"max diff {diff.max():.3g}, mean {diff.mean():.3g}"
+
+
+def _impls(m):
+  return ["mosaic", "triton"] + (["gemv"] if m == 1 else [])
+
+
+CASES = [(name, impl) for name, s in TEST_GEMM.items() for impl in _impls(s.m)]
+
+
+class TestFlatGemm:
+  INTERPRET = False
+
+  def setup_method(self):
+    if not self.INTERPRET and not ON_HOPPER:
+      pytest.skip("compiled Mosaic GPU kernels need a Hopper GPU")
+
+  @pytest.mark.parametrize("name,impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
+  def test_stacked_layer_matches_reference(self, name, impl):
+    shape = TEST_GEMM[name]
+    x, w, _, r = _inputs(shape)
+    layer = jnp.int32(shape.layers - 1)  # traced: the op is jitted with layer as an argument
+    out = fg.flat_gemm(x, w, layer, r, impl=impl, block_sizes=BLOCKS, interpret=self.INTERPRET)
+    _close(out, fg.flat_gemm_reference(x, w, layer, r))
+
+  @pytest.mark.parametrize("impl", ["mosaic", "triton"])
+  def test_swiglu_matches_reference(self, impl):
+    shape = TEST_GEMM["tiny_m5_k256_n192"]
+    x, wg, wu, _ = _inputs(shape, seed=1)
+    out = fg.flat_gemm_swiglu(x, wg, wu, 1, impl=impl, block_sizes=BLOCKS,
+                              interpret=self.INTERPRET)
+    _close(out, fg.flat_gemm_swiglu_reference(x, wg, wu, 1))
+
+  def test_unstacked_weight_and_k_splits(self):
+    shape = TEST_GEMM["tiny_m8_k512_n128"]
+    x, w, _, _ = _inputs(shape, seed=2)
+    cfg = fg.BlockSizes(tile_n=64, tile_k=128, max_concurrent_steps=2, k_splits=2)
+    out = fg.flat_gemm(x, w[0], impl="mosaic", block_sizes=cfg, interpret=self.INTERPRET)
+    _close(out, fg.flat_gemm_reference(x, w[0]))
+
+  def test_loop_over_layers_reads_each_layer(self):
+    shape = TEST_GEMM["tiny_m8_k512_n128"]
+    x, w, _, _ = _inputs(shape, seed=3)
+    w = jnp.tile(w, (1, 1, shape.k // shape.n))  # [L, K, K]: each output feeds the next layer
+
+    def run(gemm):
+      return jax.lax.fori_loop(0, shape.layers, lambda l, c: gemm(c, l), x)
+
+    out = run(lambda c, l: fg.flat_gemm(c, w, l, impl="mosaic", block_sizes=BLOCKS,
+                                        interpret=self.INTERPRET))
+    _close(out, run(lambda c, l: fg.flat_gemm_reference(c, w, l)))
+
+
+class TestFlatGemmInterpret(TestFlatGemm):
+  INTERPRET = True
+
+
+def test_xla_impl_is_the_reference():
+  shape = TEST_GEMM["tiny_m5_k256_n192"]
+  x, w, w2, r = _inputs(shape)
+  np.testing.assert_array_equal(fg.flat_gemm(x, w, 1, r, impl="xla"),
+                                fg.flat_gemm_reference(x, w, 1, r))
+  np.testing.assert_array_equal(fg.flat_gemm_swiglu(x, w, w2, 0, impl="xla"),
+                                fg.flat_gemm_swiglu_reference(x, w, w2, 0))
+
+
+@pytest.mark.parametrize("bad", ["stacked_without_layer", "n_not_tiled", "gemv_m2", "m_too_big"])
+def test_bad_input_raises(bad):
+  shape = TEST_GEMM["tiny_m5_k256_n192"]
+  x, w, _, _ = _inputs(shape)
+  with pytest.raises(ValueError):
+    if bad == "stacked_without_layer":
+      fg.flat_gemm(x, w, interpret=True)
+    elif bad == "n_not_tiled":
+      fg.flat_gemm(x, w[:, :, :100], 0, interpret=True)
+    elif bad == "gemv_m2":
+      fg.flat_gemm(x[:2], w, 0, impl="gemv", interpret=True)
+    else:
+      fg.flat_gemm(jnp.zeros((300, shape.k), jnp.bfloat16), w, 0, interpret=True)
