@@ -1,4 +1,4 @@
-"""The `jaxdecode` command line: generate, chat, bench (CPU/GPU decode speed) and loop-report.
+"""The `jaxdecode` command line: generate, chat, bench, loop-report and rdu (the modeled SN40L).
 
 Bad input exits with code 2 and one line on stderr.
 """
@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("loop-report", help="explain what the kernel-looping pass does to a model's decode step")
     report.add_argument("--model", default=DEFAULT_MODEL, help="a preset name (random weights suffice)")
     report.add_argument("--json", action="store_true")
+
+    from rdu.cli import add_parser as add_rdu_parser  # the CLI is the one place where the packages meet
+
+    add_rdu_parser(sub)
     return parser
 
 
@@ -104,7 +108,7 @@ def cmd_generate(args) -> int:
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
     timings: dict = {}
-    stream = tok.stream_decoder()
+    stream = tok.stream()
     new_ids: list[int] = []
     out = sys.stderr if args.json else sys.stdout
     for chunk in engine.generate_stream([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -141,7 +145,7 @@ def cmd_chat(args) -> int:
             return 0
         messages.append({"role": "user", "content": user})
         ids = tok.encode(tok.apply_chat_template(messages))
-        stream, new_ids = tok.stream_decoder(), []
+        stream, new_ids = tok.stream(), []
         for chunk in engine.generate_stream([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
                                             seed=args.seed, eos_ids=tok.eos_token_ids):
             for t in chunk[0]:
@@ -166,7 +170,14 @@ def cmd_loop_report(args) -> int:
     return 0
 
 
-_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "loop-report": cmd_loop_report}
+def cmd_rdu(args) -> int:
+    from rdu.cli import run
+
+    return run(args)
+
+
+_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "loop-report": cmd_loop_report,
+             "rdu": cmd_rdu}
 
 if __name__ == "__main__":
     sys.exit(main())

