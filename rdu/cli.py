@@ -2,6 +2,7 @@
 
     jaxdecode rdu --model llama-3.1-8b --batch 1 --context 4096 --sockets 1,2,4,8,16 --hbm-tb-s 1.8 --gpu h200
     jaxdecode rdu --validate          # the published / measured numbers vs the model
+    jaxdecode rdu --model llama-3.1-70b --html report.html --png report.png
 
 The lead wires `add_parser` and `run` into jaxdecode/cli.py. With --json the last line is one JSON object.
 """
@@ -26,6 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="h200", choices=("h100", "h200"))
     p.add_argument("--validate", action="store_true", help="print the validation table and exit")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report (graph, mapping, timeline)")
+    p.add_argument("--png", metavar="PATH", help="write a PNG of the timeline and tok/s vs sockets")
     return p
 
 
@@ -34,12 +37,15 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {path} ({len(text.encode()) / 1e6:.2f} MB)")
+
+
 def run(args) -> int:
     from jaxdecode.config import get_preset
-    from rdu.hardware import gpu, sn40l
-    from rdu.mapping import ModelDoesNotFit, map_decode
-    from rdu.simulate import gpu_estimate, simulate_rdu
-    from rdu.trace import trace_decode_step
+    from rdu.analysis import analyze
 
     if args.validate:
         from rdu.validate import mape, rows, table
@@ -57,35 +63,19 @@ def run(args) -> int:
         return _fail(str(e))
     if args.batch < 1 or args.context < 1 or not sockets or any(not 1 <= s <= 16 for s in sockets):
         return _fail("need --batch >= 1, --context >= 1 and socket counts in 1..16")
-    hw = sn40l(args.hbm_tb_s)
-    graph = trace_decode_step(cfg, args.batch, args.context)
-    result = {"model": cfg.name, "batch": args.batch, "context": args.context, "hardware": hw.name,
-              "gflop_per_step": graph.total_flops() / 1e9, "gb_per_step": graph.fused_bytes / 1e9, "sn40l": []}
-    print(f"{cfg.name} B={args.batch} S={args.context}: {graph.total_flops() / 1e9:.2f} GFLOP, "
-          f"{graph.fused_bytes / 1e9:.2f} GB per step; {hw.name}")
-    for p in sockets:
-        try:
-            m = map_decode(graph, hw, p, batch=args.batch, kv_heads=cfg.n_kv_heads, dim=cfg.dim)
-        except ModelDoesNotFit as e:
-            print(f"  {p:2d} sockets: does not fit: {e}")
-            result["sn40l"].append({"sockets": p, "fits": False, "reason": str(e)})
-            continue
-        on, off = simulate_rdu(m, looped=True), simulate_rdu(m, looped=False)
-        print(f"  {p:2d} sockets: looped {on.ms_per_token:8.3f} ms ({on.tok_s:8.1f} tok/s, "
-              f"{100 * on.fraction_of_roofline:4.1f}% of roofline, {on.calls_per_token} calls)  "
-              f"unlooped {off.ms_per_token:8.3f} ms ({off.calls_per_token} calls)  "
-              f"KL {off.per_token_s / on.per_token_s:.2f}x")
-        result["sn40l"].append({"sockets": p, "fits": True, "looped": on.as_dict(), "unlooped": off.as_dict(),
-                                "kl_speedup": off.per_token_s / on.per_token_s})
-    spec = gpu(args.gpu)
-    unrolled = trace_decode_step(cfg, args.batch, args.context, looped=False)
-    result["gpu"] = {}
-    for mode in ("xla", "scan_copy", "eager"):
-        e = gpu_estimate(unrolled, spec, batch=args.batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode)
-        note = "" if graph.fused_bytes <= spec.hbm_bytes else f"  (does not fit {spec.hbm_bytes / 1e9:.0f} GB HBM)"
-        print(f"  {spec.name} {mode:9s}: {e.ms_per_token:8.3f} ms ({e.tok_s:8.1f} tok/s, {e.calls_per_token} "
-              f"kernels){note}")
-        result["gpu"][mode] = e.as_dict()
+    a = analyze(cfg, args.batch, args.context, sockets, hbm_tb_s=args.hbm_tb_s, gpu_name=args.gpu)
+    for line in a.lines:
+        print(line)
+    if getattr(args, "html", None):
+        from rdu.viz import render_html
+
+        _write(args.html, render_html(a))
+    if getattr(args, "png", None):
+        from rdu.plots import report_png
+
+        report_png(a, args.png)
+        print(f"wrote {args.png}")
+    result = a.result
     if args.json:
         print(json.dumps(result))
     return 0

@@ -1,0 +1,152 @@
+"""One run of trace -> map -> simulate for a preset: the numbers behind `jaxdecode rdu`, its --json, the
+HTML report (rdu.viz) and the PNGs (rdu.plots). All three read the same `Analysis`, so they agree.
+
+    a = analyze(get_preset("llama-3.1-8b"), batch=1, context=4096, sockets=[1, 2, 4, 8, 16])
+    a.result          # the dict `jaxdecode rdu --json` prints
+    a.lines           # the text lines it prints
+    timeline(a.runs[0].mapping, a.runs[0].looped)   # kernel-call segments of one token, with HBM use
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rdu.graph import DataflowGraph
+from rdu.hardware import GPUSpec, RDUSpec, gpu, sn40l
+from rdu.mapping import Mapping, ModelDoesNotFit, map_decode
+from rdu.simulate import Estimate, _socket_bytes, gpu_estimate, simulate_rdu
+from rdu.trace import trace_decode_step
+
+GPU_REPORT_MODES = ("xla", "scan_copy", "eager")
+
+
+@dataclass
+class SocketRun:
+    sockets: int
+    mapping: Mapping | None  # None: the model does not fit
+    looped: Estimate | None
+    unlooped: Estimate | None
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.mapping is not None
+
+
+@dataclass
+class Analysis:
+    cfg: object
+    batch: int
+    context: int
+    hw: RDUSpec
+    gpu: GPUSpec
+    graph: DataflowGraph  # the looped trace (what is mapped)
+    unrolled: DataflowGraph  # the unrolled trace (what the GPU model counts kernels of)
+    runs: list[SocketRun]
+    gpu_estimates: dict[str, Estimate]
+    result: dict = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def fitting(self) -> list[SocketRun]:
+        return [r for r in self.runs if r.fits]
+
+
+def analyze(cfg, batch: int = 1, context: int = 4096, sockets=(1, 2, 4, 8, 16), *, hbm_tb_s: float = 1.8,
+            gpu_name: str = "h200") -> Analysis:
+    """Trace the decode step of `cfg`, map it on each socket count, simulate looped and unlooped, and
+    estimate the GPU; `result` is the JSON object of `jaxdecode rdu --json`."""
+    hw = sn40l(hbm_tb_s)
+    graph = trace_decode_step(cfg, batch, context)
+    result = {"model": cfg.name, "batch": batch, "context": context, "hardware": hw.name,
+              "gflop_per_step": graph.total_flops() / 1e9, "gb_per_step": graph.fused_bytes / 1e9, "sn40l": []}
+    lines = [f"{cfg.name} B={batch} S={context}: {graph.total_flops() / 1e9:.2f} GFLOP, "
+             f"{graph.fused_bytes / 1e9:.2f} GB per step; {hw.name}"]
+    runs = []
+    for p in sockets:
+        try:
+            m = map_decode(graph, hw, p, batch=batch, kv_heads=cfg.n_kv_heads, dim=cfg.dim)
+        except ModelDoesNotFit as e:
+            lines.append(f"  {p:2d} sockets: does not fit: {e}")
+            result["sn40l"].append({"sockets": p, "fits": False, "reason": str(e)})
+            runs.append(SocketRun(p, None, None, None, str(e)))
+            continue
+        on, off = simulate_rdu(m, looped=True), simulate_rdu(m, looped=False)
+        lines.append(f"  {p:2d} sockets: looped {on.ms_per_token:8.3f} ms ({on.tok_s:8.1f} tok/s, "
+                     f"{100 * on.fraction_of_roofline:4.1f}% of roofline, {on.calls_per_token} calls)  "
+                     f"unlooped {off.ms_per_token:8.3f} ms ({off.calls_per_token} calls)  "
+                     f"KL {off.per_token_s / on.per_token_s:.2f}x")
+        result["sn40l"].append({"sockets": p, "fits": True, "looped": on.as_dict(), "unlooped": off.as_dict(),
+                                "kl_speedup": off.per_token_s / on.per_token_s})
+        runs.append(SocketRun(p, m, on, off))
+    spec = gpu(gpu_name)
+    unrolled = trace_decode_step(cfg, batch, context, looped=False)
+    result["gpu"] = {}
+    estimates = {}
+    for mode in GPU_REPORT_MODES:
+        e = gpu_estimate(unrolled, spec, batch=batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode)
+        note = "" if graph.fused_bytes <= spec.hbm_bytes else f"  (does not fit {spec.hbm_bytes / 1e9:.0f} GB HBM)"
+        lines.append(f"  {spec.name} {mode:9s}: {e.ms_per_token:8.3f} ms ({e.tok_s:8.1f} tok/s, "
+                     f"{e.calls_per_token} kernels){note}")
+        result["gpu"][mode] = e.as_dict()
+        estimates[mode] = e
+    return Analysis(cfg, batch, context, hw, spec, graph, unrolled, runs, estimates, result, lines)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of one token step on one socket: `phase` is launch | body | comm | boundary.
+
+    hbm is the HBM read rate during the stretch as a fraction of the socket's peak bandwidth.
+    """
+
+    start_s: float
+    end_s: float
+    kernel: str
+    role: str
+    call: int
+    phase: str
+    hbm: float
+
+
+def timeline(m: Mapping, est: Estimate) -> list[Segment]:
+    """The kernel calls of one decode token as back-to-back segments, following simulate_rdu's cost
+    structure: per call launch, then the body, then the boundary (drain, fill, sync: HBM idle).
+
+    A body iteration streams the socket's bytes at bytes / (time it streams): looped decoder
+    iterations stream for the whole iteration (the all-reduce overlaps the next layer's weights);
+    otherwise the stream takes max(memory, compute) and the all-reduce that follows is idle HBM.
+    """
+    roles = {k.name: k for k in m.kernels}
+    peak = m.hw.hbm_bw
+    segs: list[Segment] = []
+    t = 0.0
+    for kt in est.kernels:
+        k = roles[kt.name]
+        nbytes = _socket_bytes(k, m) * m.placement.hbm_fraction
+        overlapped = k.is_layer and kt.iterations > 1  # the looped decoder kernel
+        stream_s = kt.iteration_s if overlapped else max(kt.memory_s, kt.compute_s)
+        comm_s = 0.0 if overlapped else kt.iteration_s - stream_s
+        rate = nbytes / stream_s / peak if stream_s > 0 else 0.0
+        for c in range(kt.calls):
+            segs.append(Segment(t, t + kt.launch_s, kt.name, k.role, c, "launch", 0.0))
+            t += kt.launch_s
+            if overlapped:
+                segs.append(Segment(t, t + kt.iterations * stream_s, kt.name, k.role, c, "body", rate))
+                t += kt.iterations * stream_s
+            else:
+                for _ in range(kt.iterations):
+                    segs.append(Segment(t, t + stream_s, kt.name, k.role, c, "body", rate))
+                    t += stream_s
+                    if comm_s > 0:
+                        segs.append(Segment(t, t + comm_s, kt.name, k.role, c, "comm", 0.0))
+                        t += comm_s
+            segs.append(Segment(t, t + kt.boundary_s, kt.name, k.role, c, "boundary", 0.0))
+            t += kt.boundary_s
+    return segs
+
+
+def mean_hbm(segs: list[Segment]) -> float:
+    """Time-averaged HBM use over the segments, as a fraction of peak."""
+    total = segs[-1].end_s - segs[0].start_s if segs else 0.0
+    return sum((s.end_s - s.start_s) * s.hbm for s in segs) / total if total else 0.0
