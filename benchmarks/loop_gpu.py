@@ -1,11 +1,18 @@
-"""Looped vs unrolled decode on one GPU: first-call time, ms/token, and weight copies left in the HLO.
+"""Unrolled vs looped (copying) vs looped in place on one GPU: first call, ms/token, copies in the HLO.
 
-    python benchmarks/loop_gpu.py --model llama-3.1-8b --out results.json
+    python benchmarks/loop_gpu.py --model llama-3.1-8b --batch 1 8 --out results.json [--hf]
 
-Random bf16 weights, batch 1. For each variant it times the first `generate` call (trace + compile +
-prefill + decode) and a second identical call, and reads the optimized HLO of one decode step: every
-`dynamic-slice` whose result is as large as a layer's weight matrix is a per-layer weight copy.
-The HBM read ceiling is measured in the same run (a sum over a 4 GiB bf16 array).
+Random bf16 weights. Variants: `unrolled` (layers unrolled in one jit), `looped_copy` (the scan
+slices the [L, ...] stacks: XLA copies each W[l] out before its dot), `looped_inplace` (the scan
+body reads the stacks in place: `kernels.flat_gemm` for the dots, the KV cache updated in the scan
+carry; `jaxdecode.inplace`). For each it times the first `generate` call (trace + compile +
+prefill + decode) and a second identical call, and reads the optimized HLO of one decode step:
+- weight copies: `dynamic-slice` results at least as large as a layer's smallest weight matrix;
+- cache copies: `dynamic-slice` results the size of one layer's K or V cache;
+- custom calls: kernel launches per step (the Mosaic GPU GEMMs appear as custom calls).
+The HBM read ceiling is measured in the same run (a sum over a 4 GiB bf16 array). With `--hf`,
+HF transformers (eager, then static cache + torch.compile) run the same config with random
+weights at batch 1, while `--deadline-s` allows. Results are written after every row.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from jaxdecode.cost import decode_cost
 from jaxdecode.decode import Engine
 from jaxdecode.model import init_random
 
+VARIANTS = {"unrolled": dict(loop_layers=False), "looped_copy": dict(loop_mode="slice"),
+            "looped_inplace": dict(loop_mode="inplace")}
+_DS = re.compile(r"= (bf16|f32|f16)\[([\d,]*)\]\{[^}]*\} (dynamic-slice|fusion)\(")
+
 
 def read_ceiling_gb_s(gib: int = 4, repeats: int = 10) -> float:
     x = jnp.ones((gib * 2**30 // 2,), jnp.bfloat16)
@@ -37,53 +48,145 @@ def read_ceiling_gb_s(gib: int = 4, repeats: int = 10) -> float:
     return x.nbytes * repeats / (time.perf_counter() - start) / 1e9
 
 
-def weight_copies(engine: Engine, min_bytes: int) -> dict:
-    """Large dynamic-slice results in the optimized HLO of one decode step (per-layer weight copies)."""
-    cache = engine.new_cache(1, 1024)
-    tokens = jnp.zeros((1, 1), jnp.int32)
+def hlo_counts(engine: Engine, batch: int, cache_len: int, weight_bytes: int, cache_bytes: int) -> dict:
+    """Copies and kernel launches in the optimized HLO of one decode step (see the module doc)."""
+    cache = engine.new_cache(batch, cache_len)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
     hlo = jax.jit(engine.forward).lower(engine.params, tokens, tokens, cache).compile().as_text()
-    copies = []
+    weights, caches = [], []
     for line in hlo.splitlines():
-        m = re.search(r"= (bf16|f32)\[([\d,]+)\]\{[^}]*\} (dynamic-slice|fusion)\(", line)
-        if not m or ("dynamic-slice" not in line and "dynamic_slice" not in line):
+        m = _DS.search(line)
+        if not m or "dynamic-update-slice" in line or ("dynamic-slice" not in line and "dynamic_slice" not in line):
             continue
-        n = int(np.prod([int(d) for d in m.group(2).split(",")])) * (2 if m.group(1) == "bf16" else 4)
-        if n >= min_bytes:
-            copies.append({"shape": f"{m.group(1)}[{m.group(2)}]", "bytes": n, "op": m.group(3)})
-    return {"count": len(copies), "bytes": sum(c["bytes"] for c in copies), "examples": copies[:6]}
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        n = int(np.prod(dims)) * (4 if m.group(1) == "f32" else 2)
+        entry = {"shape": f"{m.group(1)}[{m.group(2)}]", "bytes": n, "op": m.group(3)}
+        if n >= weight_bytes:
+            weights.append(entry)
+        elif n == cache_bytes:
+            caches.append(entry)
+    customs = sorted({c for c in re.findall(r'custom_call_target="([^"]+)"', hlo)})
+    return {"weight_copies": len(weights), "weight_copy_bytes": sum(c["bytes"] for c in weights),
+            "weight_copy_examples": weights[:4], "cache_copies": len(caches),
+            "custom_calls": len(re.findall(r" custom-call\(", hlo)), "custom_call_targets": customs}
+
+
+def hf_rows(cfg, new_tokens: int, prompt_len: int, deadline: float, moved: float, ceiling: float, on_row,
+            only_static: bool = False) -> None:
+    """HF transformers generate with random weights: eager, then a static cache, with which
+    `generate` compiles the forward itself (torch.compile, CUDA graphs)."""
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+
+    def timed(variant, **extra):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompt, **kwargs, **extra)
+        sync()
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompt, **kwargs, **extra)
+        sync()
+        total = time.perf_counter() - start
+        ms = total / new_tokens * 1e3  # prefill included: an upper bound on ms per decode step
+        on_row({"variant": variant, "batch": 1, "first_call_s": round(first, 2), "decode_ms_per_step": round(ms, 3),
+                     "decode_tok_s": round(1e3 / ms, 1), "pct_of_read_ceiling": round(100 * moved / (ms / 1e3) / 1e9 / ceiling, 1),
+                "note": f"torch {torch.__version__}, transformers {transformers.__version__}; whole generate / tokens"})
+
+    if not only_static:
+        timed("hf_eager")
+    if time.perf_counter() < deadline:
+        timed("hf_static_compile", cache_implementation="static")  # static cache: generate compiles
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=None)
     parser.add_argument("--ceiling-gib", type=int, default=4)
+    parser.add_argument("--hf", action="store_true", help="add HF transformers peers at batch 1")
+    parser.add_argument("--hf-only-static", action="store_true", help="skip the eager HF row")
+    parser.add_argument("--deadline-s", type=float, default=1e9, help="skip optional work after this many seconds")
     args = parser.parse_args()
+    t0 = time.perf_counter()
     cfg = get_preset(args.model)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    itemsize = jnp.dtype(dtype).itemsize
     ceiling = read_ceiling_gb_s(args.ceiling_gib)
-    model = init_random(cfg, dtype=jnp.bfloat16)
-    smallest_weight = 2 * cfg.dim * cfg.kv_dim
-    rows = []
-    for loop in (True, False):
-        engine = Engine(model, loop_layers=loop)
-        m = measure_decode(engine, model_name=args.model, batch=1, prompt_len=32, new_tokens=args.new_tokens)
-        row = json.loads(m.to_json())
-        row["weight_copies"] = weight_copies(engine, smallest_weight)
-        moved = decode_cost(cfg, batch=1, context=32 + args.new_tokens // 2, itemsize=2).bytes
-        row["pct_of_read_ceiling"] = round(100 * moved / (m.decode_ms_per_step / 1e3) / 1e9 / ceiling, 1)
-        rows.append(row)
-        del engine
-    result = {"hardware": jax.devices()[0].device_kind, "jax": jax.__version__, "read_ceiling_gb_s": round(ceiling, 1),
-              "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    print(f"{'variant':10} {'first call s':>12} {'ms/token':>9} {'tok/s':>7} {'% read BW':>9} {'weight copies':>14}")
-    for r in rows:
-        print(f"{r['variant']:10} {r['first_call_s']:12.1f} {r['decode_ms_per_step']:9.2f} {r['decode_tok_s']:7.1f} "
-              f"{r['pct_of_read_ceiling']:9.1f} {r['weight_copies']['count']:>6} ({r['weight_copies']['bytes'] / 1e9:.2f} GB)")
+    model = init_random(cfg, dtype=dtype)
+    weight_bytes = itemsize * cfg.dim * cfg.kv_dim
+    result = {"hardware": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
+              "dtype": jnp.dtype(dtype).name, "read_ceiling_gb_s": round(ceiling, 1),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": []}
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    def on_row(row):
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+
+    for batch in args.batch:
+        if batch != args.batch[0] and time.perf_counter() - t0 > args.deadline_s:
+            result.setdefault("skipped", []).append(f"batch {batch}: deadline")
+            continue
+        moved = decode_cost(cfg, batch=batch, context=args.prompt_len + args.new_tokens // 2, itemsize=itemsize).bytes
+        for name in args.variants:
+            try:
+                engine = Engine(model, **VARIANTS[name])
+                m = measure_decode(engine, model_name=args.model, batch=batch, prompt_len=args.prompt_len,
+                                   new_tokens=args.new_tokens)
+            except Exception as e:  # one variant failing must not lose the others
+                result.setdefault("errors", []).append(f"{name} B{batch}: {type(e).__name__}: {str(e)[-800:]}")
+                print(result["errors"][-1], flush=True)
+                continue
+            row = json.loads(m.to_json())
+            row["variant"] = name
+            cache_bytes = itemsize * batch * 1024 * cfg.kv_dim
+            row.update(hlo_counts(engine, batch, 1024, weight_bytes, cache_bytes))
+            row["pct_of_read_ceiling"] = round(100 * moved / (m.decode_ms_per_step / 1e3) / 1e9 / ceiling, 1)
+            on_row(row)
+            del engine
+    if args.hf:
+        del model
+        moved = decode_cost(cfg, batch=1, context=args.prompt_len + args.new_tokens // 2, itemsize=itemsize).bytes
+        try:
+            hf_rows(cfg, args.new_tokens, args.prompt_len, t0 + args.deadline_s, moved, ceiling, on_row,
+                    args.hf_only_static)
+        except Exception as e:  # a peer failing must not lose the rows above
+            result["hf_error"] = f"{type(e).__name__}: {e}"[:500]
+        save()
+    print(f"{'variant':15} {'B':>2} {'first call s':>12} {'ms/token':>9} {'tok/s':>8} {'% read BW':>9} "
+          f"{'W copies':>8} {'KV copies':>9} {'custom calls':>12}")
+    for r in result["rows"]:
+        print(f"{r['variant']:15} {r['batch']:>2} {r['first_call_s']:12.1f} {r['decode_ms_per_step']:9.2f} "
+              f"{r['decode_tok_s']:8.1f} {r['pct_of_read_ceiling']:9.1f} {r.get('weight_copies', '-'):>8} "
+              f"{r.get('cache_copies', '-'):>9} {r.get('custom_calls', '-'):>12}")
     print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save()
 
 
 if __name__ == "__main__":

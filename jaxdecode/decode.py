@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode.cache import KVCache
-from jaxdecode.looped_model import LoopedForward
+from jaxdecode.looped_model import LoopedForward, default_loop_mode
 from jaxdecode.model import Transformer
 from jaxdecode.sampling import SamplingParams, sample
 
@@ -67,16 +67,19 @@ class Engine:
 
     `loop_layers=True` (the default) applies the kernel-looping pass to the forward function, so the
     layers run as one `lax.scan` over stacked weights; False keeps them unrolled, for comparison.
+    `loop_mode` picks how the scan reads the stacks (`looped_model.LOOP_MODES`); None: in place
+    through kernels on a GPU, sliced by the scan elsewhere.
     """
 
-    def __init__(self, model: Transformer, *, loop_layers: bool = True, cache_dtype=None):
+    def __init__(self, model: Transformer, *, loop_layers: bool = True, cache_dtype=None,
+                 loop_mode: str | None = None):
         self.cfg = model.cfg
         self.loop_layers = loop_layers
         self.graphdef, params = nnx.split(model)
         self.cache_dtype = cache_dtype or model.embed_tokens.embedding.dtype
         self._plan = None
         if loop_layers:
-            self._plan = LoopedForward(self.graphdef, params, self.cfg)
+            self._plan = LoopedForward(self.graphdef, params, self.cfg, mode=loop_mode or default_loop_mode())
             self.params = self._plan.pack_params(params)
         else:
             self.params = params

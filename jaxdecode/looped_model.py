@@ -4,12 +4,21 @@
 weights are packed once (stacked to [L, ...]) when the engine is built, the per-layer KV caches once
 when a cache is created, and both stay packed: every step reads the stacks directly, with no
 per-step stacking or copying. One plan is traced per input shape (prefill and decode differ).
+
+Modes (`LOOP_MODES`): "slice" (the scan slices the stacks), "whole" (the body takes row i with
+`dynamic_index_in_dim`), "inplace" ("whole" plus `kernel_stacked_dot`: the layer's `x @ W` dots read
+W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel, and the KV cache is
+updated in place in the scan carry). `default_loop_mode()` (the engine's default) picks "inplace" on
+a GPU and "slice" elsewhere: on a GPU XLA copies each W[i] out of its stack before a dot.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+
+from kernels import dispatch, flat_gemm
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
@@ -20,6 +29,37 @@ _PARAMS, _K, _V = 0, 3, 4
 _PACKED_OUTPUTS = {1: _K, 2: _V}  # the new K and V caches come back packed like the inputs
 
 
+LOOP_MODES = ("slice", "whole", "inplace")
+
+
+def default_loop_mode() -> str:
+    return "inplace" if jax.default_backend() == "gpu" else "slice"
+
+
+def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
+                       block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(), interpret: bool = False):
+    """The `stacked_dot` hook of the engine: x [M, K] · stack[index] ([L, K, N]) with the stack
+    read in place by `kernels.flat_gemm`, or None (the caller then runs the plain dot).
+
+    `impl=None` asks `kernels.dispatch.choose_gemm(looped=True)`, which says "xla" off Hopper and
+    for shapes the kernels do not tile; the kernels take 16-bit inputs only. An explicit `impl`
+    (tests: "triton" with `interpret=True`) skips both checks.
+    """
+    m, k = x.shape  # x [M, K]
+    n = stack.shape[2]  # stack [L, K, N]
+    if jnp.dtype(out_dtype) != x.dtype or x.dtype != stack.dtype:
+        return None
+    if impl is None:
+        if x.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+        impl = dispatch.choose_gemm(m, n, k, looped=True, block_sizes=block_sizes).impl
+        m8 = -(-m // 8) * 8  # the Mosaic kernel needs 2 pipeline stages of x and W tiles in SMEM
+        if impl == "xla" or (impl == "mosaic" and 2 * 2 * block_sizes.tile_k * (m8 + block_sizes.tile_n)
+                             * x.dtype.itemsize > block_sizes.smem_bytes):
+            return None
+    return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
+
+
 def _spec(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
@@ -27,9 +67,13 @@ def _spec(x) -> jax.ShapeDtypeStruct:
 class LoopedForward:
     """forward(params, tokens, positions, cache) with the layers run as one `lax.scan`."""
 
-    def __init__(self, graphdef, params, cfg: ModelConfig, *, index_mode: str = "slice"):
+    def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None):
+        if mode not in LOOP_MODES:
+            raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {mode!r}")
         self.cfg = cfg
-        self.index_mode = index_mode
+        self.mode = mode
+        self.index_mode = "slice" if mode == "slice" else "whole"
+        self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)
         self._plans: dict[tuple, LoopPlan] = {}
@@ -42,7 +86,8 @@ class LoopedForward:
             int_spec = jax.ShapeDtypeStruct((batch, tokens), jax.numpy.int32)
             kv = [jax.ShapeDtypeStruct((batch, cache_len, cfg.n_kv_heads, cfg.head_dim), cache_dtype)] * cfg.n_layers
             self._plans[key] = kernel_loop(self._forward, self._param_specs, int_spec, int_spec, kv, kv,
-                                           index_mode=self.index_mode, packed_outputs=_PACKED_OUTPUTS)
+                                           index_mode=self.index_mode, packed_outputs=_PACKED_OUTPUTS,
+                                           stacked_dot=self._stacked_dot)
         return self._plans[key]
 
     def pack_params(self, params) -> Packed:
@@ -70,4 +115,4 @@ def model_loop_report(name: str) -> LoopReport:
     cfg = get_preset(name)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract)
-    return LoopedForward(graphdef, params, cfg).report()
+    return LoopedForward(graphdef, params, cfg, mode="slice").report()

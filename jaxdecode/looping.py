@@ -42,8 +42,11 @@ its re-traced, same-typed version). At a run it calls `lax.scan(body, carry, xs,
 carry holds the carried inputs, `xs` the layer index `arange(L)` and the stacked inputs; the body
 re-binds the original call with its own params (the layer stays a `jit` call inside the body). Outputs needed per
 layer come out stacked `[L, ...]`. With `index_mode="whole"` the stacked inputs are passed whole
-(as scan constants) and the body takes row `i` with `lax.dynamic_index_in_dim`, so a kernel can
-instead read `[L, K, N]` weights in place given the layer index.
+(as scan constants) and the body takes row `i` with `lax.dynamic_index_in_dim`. With a
+`stacked_dot` hook as well, the body reads them in place instead: the layer's jaxpr is evaluated
+with lazy rows, its `x @ W` dots go to the hook (e.g. a kernel reading `[L, K, N]` given the layer
+index), and stacked inputs that come back updated (a KV cache) ride in the scan carry, written at
+row `i` (`jaxdecode.inplace`).
 
 **Packing.** Stacked inputs that are leaves of one argument of the function (per-layer weights,
 per-layer caches) are stacked once, by `plan.pack`, into a `Packed` pytree, and the scan reads the
@@ -71,10 +74,11 @@ from jax.extend import core as jcore
 
 from jaxdecode.looping_eval import (Packed, PackLayout, _Analysis, _as_stack, _Interpreter, _materialize,
                                     _stack_spec)
+from jaxdecode.inplace import StackedDot, StackedRef
 from jaxdecode.looping_find import Run, callee_of
 from jaxdecode.looping_report import InputReport, LoopReport, RunReport, aval_str
 
-__all__ = ["INDEX_MODES", "LoopPlan", "Packed", "PackLayout", "kernel_loop", "layer"]
+__all__ = ["INDEX_MODES", "LoopPlan", "Packed", "PackLayout", "StackedDot", "StackedRef", "kernel_loop", "layer"]
 
 INDEX_MODES = ("slice", "whole")
 
@@ -113,10 +117,14 @@ class LoopPlan:
     """
 
     def __init__(self, fn: Callable, args: tuple, index_mode: str,
-                 packed_argnums: tuple[int, ...] | None, packed_outputs: Mapping[int, int]):
+                 packed_argnums: tuple[int, ...] | None, packed_outputs: Mapping[int, int],
+                 stacked_dot: StackedDot | None = None):
         if index_mode not in INDEX_MODES:
             raise ValueError(f"index_mode must be one of {INDEX_MODES}, got {index_mode!r}")
+        if stacked_dot is not None and index_mode != "whole":
+            raise ValueError('stacked_dot needs index_mode="whole" (the body must see whole stacks)')
         self.index_mode = index_mode
+        self.in_place = stacked_dot is not None
         self._arg_trees = [jax.tree_util.tree_structure(a) for a in args]
         jaxpr, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         self.original_jaxpr = jaxpr
@@ -124,7 +132,7 @@ class LoopPlan:
         self._root = _peel(jaxpr)
         self._analysis = _Analysis()
         self._analysis.analyze(self._root, getattr(fn, "__name__", "fn"))
-        self._interp = _Interpreter(self._analysis, index_mode)
+        self._interp = _Interpreter(self._analysis, index_mode, stacked_dot)
         self._specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
                        for a in self._root.in_avals]
         offsets = [0]
@@ -278,7 +286,9 @@ class LoopPlan:
                 source = (f"packed: argument {argnum}" if argnum is not None else
                           "stacked inside the function (" + ("computed inside it or argument not packed)"
                                                              if at_root else "run is nested)"))
-                if self.index_mode == "whole":
+                if self.in_place:
+                    source += "; body reads row i in place (dots via stacked_dot)"
+                elif self.index_mode == "whole":
                     source += "; body takes row i with dynamic_index_in_dim"
             inputs.append(InputReport(p, label, aval_str(aval), kind, source))
         outputs = []
@@ -295,7 +305,8 @@ class LoopPlan:
 
 def kernel_loop(fn: Callable, *args, index_mode: str = "slice",
                 packed_argnums: tuple[int, ...] | None = None,
-                packed_outputs: Mapping[int, int] | None = None) -> LoopPlan:
+                packed_outputs: Mapping[int, int] | None = None,
+                stacked_dot: StackedDot | None = None) -> LoopPlan:
     """Analyse `fn` at `args` (arrays or `jax.ShapeDtypeStruct`s) and plan its kernel looping.
 
     Args:
@@ -305,8 +316,12 @@ def kernel_loop(fn: Callable, *args, index_mode: str = "slice",
         `[L, ...]` stacks plus the layer index and takes its row with `dynamic_index_in_dim`).
       packed_argnums: arguments whose per-layer leaves `pack` stacks; default all that have some.
       packed_outputs: {out_index: argnum}: return that output subtree packed like that argument.
+      stacked_dot: with index_mode="whole", read stacked inputs in place: `x @ W` dots whose
+        weight is stacked call `stacked_dot(x [M, K], stack [L, K, N], i, out_dtype)` (it may
+        return None: then the dot runs on the row), and stacked inputs that an output updates (a
+        KV cache) travel in the scan carry, updated at row i (`jaxdecode.inplace`).
 
     Returns:
       A `LoopPlan`: `pack`, `looped`, `unpack_outputs`, `report`, `jaxpr`.
     """
-    return LoopPlan(fn, args, index_mode, packed_argnums, packed_outputs or {})
+    return LoopPlan(fn, args, index_mode, packed_argnums, packed_outputs or {}, stacked_dot)

@@ -14,6 +14,7 @@ from jax import lax
 from jax._src import source_info_util  # private: public jax cannot set an equation's name stack
 from jax.extend import core as jcore
 
+from jaxdecode.inplace import RefEvaluator, StackedDot, StackedRef, output_aliases
 from jaxdecode.looping_find import Run, StructuralKeys, callee_name, callee_of, find_runs, sub_jaxprs
 from jaxdecode.looping_report import SkipReport
 
@@ -107,8 +108,8 @@ class _Analysis:
 class _Interpreter:
     """Evaluates analysed jaxprs, turning each run into one `lax.scan` (Equinox-style env loop)."""
 
-    def __init__(self, analysis: _Analysis, index_mode: str):
-        self.analysis, self.index_mode = analysis, index_mode
+    def __init__(self, analysis: _Analysis, index_mode: str, stacked_dot: StackedDot | None = None):
+        self.analysis, self.index_mode, self.stacked_dot = analysis, index_mode, stacked_dot
         self._transformed: dict[int, jcore.Jaxpr] = {}
 
     def eval(self, jaxpr: jcore.Jaxpr, args: Sequence[Any]) -> list[Any]:
@@ -163,6 +164,8 @@ class _Interpreter:
             shared = {p: _materialize(read(first.invars[p])) for p in run.shared}
             stacks = [_as_stack([read(eqn.invars[p]) for eqn in run.calls]) for p in run.stacked]
             index = jnp.arange(n, dtype=jnp.int32)  # the layer index
+        if self.stacked_dot is not None:
+            return self._run_in_place(run, params, carry0, shared, stacks, index)
 
         def body(carry, xs):
             if self.index_mode == "slice":  # xs = (layer index, rows of the stacks)
@@ -172,20 +175,70 @@ class _Interpreter:
             args = [None] * len(first.invars)
             for p, value in [*zip(carry_pos, carry), *shared.items(), *zip(run.stacked, rows)]:
                 args[p] = value
-            scope = jax.named_scope(run.body_scope) if run.body_scope else contextlib.nullcontext()
-            with scope, _eqn_context(first, first.source_info.name_stack[:0]):
+            with self._body_context(run):
                 outs = _bind(first, params, args)
             return [outs[run.carry[p]] for p in carry_pos], [outs[j] for j in run.ys]
 
         xs = (index, stacks) if self.index_mode == "slice" else index
         with _eqn_context(first, run.name_stack):
             carry, ys = lax.scan(body, carry0, xs, length=n)
+        return self._written(run, carry, dict(zip(run.ys, ys)))
+
+    def _body_context(self, run: Run):
+        first = run.calls[0]
+        stack = contextlib.ExitStack()
+        if run.body_scope:
+            stack.enter_context(jax.named_scope(run.body_scope))
+        stack.enter_context(_eqn_context(first, first.source_info.name_stack[:0]))
+        return stack
+
+    def _written(self, run: Run, carry: list[Any], ys: dict[int, Any]) -> dict[Any, Any]:
         written: dict[Any, Any] = {}
         for k, eqn in enumerate(run.calls):
-            written.update((eqn.outvars[j], _Slice(y, k, run.name_stack)) for j, y in zip(run.ys, ys))
+            written.update((eqn.outvars[j], _Slice(y, k, run.name_stack)) for j, y in ys.items())
         last = run.calls[-1]
-        written.update((last.outvars[run.carry[p]], c) for p, c in zip(carry_pos, carry))
+        written.update((last.outvars[run.carry[p]], c) for p, c in zip(run.carry, carry))
         return written
+
+    def _run_in_place(self, run: Run, params, carry0, shared, stacks, index) -> dict[Any, Any]:
+        """The scan of `_run` whose body reads stacked inputs in place (see `jaxdecode.inplace`).
+
+        The layer's jaxpr is evaluated with each stacked input a `StackedRef`; stacks that alias a
+        per-call output (a KV cache) travel in the scan carry and are updated at row i in place.
+        """
+        first = run.calls[0]
+        callee = params["jaxpr"]
+        aliases = output_aliases(callee, run.stacked, run.ys)  # stacked position -> output
+        alias_ps = list(aliases)
+        stack_of = dict(zip(run.stacked, stacks))
+        n_carry = len(run.carry)
+
+        def bind(eqn, args):
+            with _eqn_context(eqn):
+                return _bind(eqn, eqn.params, args)
+
+        evaluator = RefEvaluator(self.stacked_dot, bind, _eqn_context)
+
+        def body(carry, i):
+            carried, alias_stacks = carry[:n_carry], dict(zip(alias_ps, carry[n_carry:]))
+            evaluator.start(alias_stacks, i)
+            args = [None] * len(first.invars)
+            for p, value in [*zip(run.carry, carried), *shared.items()]:
+                args[p] = value
+            for p in run.stacked:
+                args[p] = StackedRef(alias_stacks[p], i, p) if p in aliases else StackedRef(stack_of[p], i)
+            with self._body_context(run):
+                outs = evaluator.eval(callee, args)
+                new_carry = [evaluator.row(outs[run.carry[p]]) for p in run.carry]
+                new_stacks = [evaluator.write_back(p, outs[aliases[p]]) for p in alias_ps]
+                ys = [evaluator.row(outs[j]) for j in run.ys if j not in aliases.values()]
+            return [*new_carry, *new_stacks], ys
+
+        with _eqn_context(first, run.name_stack):
+            carry, ys = lax.scan(body, [*carry0, *(stack_of[p] for p in alias_ps)], index, length=run.length)
+        by_output = dict(zip([j for j in run.ys if j not in aliases.values()], ys))
+        by_output.update((aliases[p], s) for p, s in zip(alias_ps, carry[n_carry:]))
+        return self._written(run, carry[:n_carry], by_output)
 
 
 @dataclasses.dataclass(frozen=True)

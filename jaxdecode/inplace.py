@@ -1,0 +1,170 @@
+"""Reading stacked layer inputs in place inside a looped run (`kernel_loop(..., stacked_dot=fn)`).
+
+In `index_mode="whole"` a scan body receives whole `[L, ...]` stacks and the layer index `i`. The
+plain body takes row `i` of every stack with `dynamic_index_in_dim` and calls the layer; on a GPU
+XLA then copies each weight matrix out of its stack before the matmul (an extra read and write of
+every weight per token). This module instead evaluates the layer's jaxpr with a small interpreter
+in which a stacked input is a lazy `StackedRef(stack, i)`:
+
+- the rhs of a `dot_general` with a plain contraction (`[..., K] x [K, N]`, no batch dimensions)
+  goes to the hook, `stacked_dot(x [M, K], stack [L, K, N], i, out_dtype) -> y [M, N] | None`,
+  which can read `stack[i]` in place (e.g. `kernels.flat_gemm(x, stack, i)`); `None` means "no
+  kernel for this one", and the dot runs as written on the materialized row;
+- a `dynamic_update_slice` of a row of a stack held in the scan carry (a KV cache) writes into the
+  stack at `[i, ...]`, so the update stays in place and the row is never copied out and back;
+- calls (`jit`) that receive a ref are evaluated inline by the same interpreter, so a weight
+  passed through a helper function still reaches its dot;
+- any other consumer materializes the row once with `lax.dynamic_index_in_dim` (norm weights,
+  biases, attention reads of the cache).
+
+Nothing is bound with hand-built params: each equation is re-bound with its own primitive and
+params, and the replacements are public `lax` calls or the hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxdecode.looping_find import callee_of
+
+# stacked_dot(x [M, K], stack [L, K, N], index int32[], out_dtype) -> y [M, N] of out_dtype, or None
+StackedDot = Callable[[jax.Array, jax.Array, jax.Array, Any], "jax.Array | None"]
+
+
+class StackedRef:
+    """Row `index` of `stack` [L, ...], not yet read. `origin` names the carried stack it updates."""
+
+    __slots__ = ("stack", "index", "origin")
+
+    def __init__(self, stack, index, origin=None):
+        self.stack, self.index, self.origin = stack, index, origin
+
+    @property
+    def aval(self):
+        return jax.ShapeDtypeStruct(self.stack.shape[1:], self.stack.dtype)
+
+
+def plain_contraction(eqn: jcore.JaxprEqn) -> bool:
+    """`eqn` is `dot_general` of lhs [..., K] with rhs [K, N]: the shape of `x @ W`."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval for v in eqn.invars)
+    return (not lb and not rb and rhs.ndim == 2 and tuple(rc) == (0,)
+            and tuple(lc) == (lhs.ndim - 1,) and lhs.ndim >= 1)
+
+
+class RefEvaluator:
+    """Evaluates one layer's jaxpr with some inputs given as `StackedRef`s (one per scan step).
+
+    `bind(eqn, args)` binds an equation with its own params (the looping interpreter's `_bind`
+    under the equation's context). `latest[origin]` is the newest version of each carried stack.
+    """
+
+    def __init__(self, stacked_dot: StackedDot, bind: Callable, context: Callable):
+        self.stacked_dot, self._bind, self._context = stacked_dot, bind, context
+        self.latest: dict[Any, Any] = {}
+        self._rows: dict[int, Any] = {}
+        self.kernel_dots = 0  # dots routed to `stacked_dot` (for reports and tests)
+        self.fallback_dots = 0  # dots with a ref rhs that ran on a materialized row
+
+    def row(self, value):
+        """A value itself; for a ref, its row (read once per ref and cached)."""
+        if not isinstance(value, StackedRef):
+            return value
+        if id(value) not in self._rows:
+            self._rows[id(value)] = (value, lax.dynamic_index_in_dim(value.stack, value.index, keepdims=False))
+        return self._rows[id(value)][1]
+
+    def eval(self, jaxpr: jcore.Jaxpr, args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.all_invars, [*jaxpr.consts, *args]))
+
+        def read(atom):
+            return atom.val if isinstance(atom, jcore.Literal) else env[atom]
+
+        for eqn in jaxpr.eqns:
+            invals = [read(a) for a in eqn.invars]
+            if not any(isinstance(v, StackedRef) for v in invals):
+                outs = self._bind(eqn, invals)
+            else:
+                outs = self._eval_with_refs(eqn, invals)
+            env.update(zip(eqn.outvars, outs))
+        return [read(a) for a in jaxpr.outvars]
+
+    def _eval_with_refs(self, eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+        callee = callee_of(eqn)
+        if callee is not None and not eqn.effects:  # look through the call: refs reach its dots
+            with self._context(eqn):
+                return self.eval(callee, invals)
+        if plain_contraction(eqn) and isinstance(invals[1], StackedRef) and not isinstance(invals[0], StackedRef):
+            y = self._dot(eqn, invals[0], invals[1])
+            if y is not None:
+                return [y]
+            self.fallback_dots += 1
+        if eqn.primitive.name == "dynamic_update_slice" and isinstance(invals[0], StackedRef) \
+                and invals[0].origin is not None and not any(isinstance(v, StackedRef) for v in invals[1:]):
+            return [self._update(eqn, invals[0], invals[1], invals[2:])]
+        return self._bind(eqn, [self.row(v) for v in invals])
+
+    def _dot(self, eqn: jcore.JaxprEqn, x, ref: StackedRef):
+        out = eqn.outvars[0].aval
+        k, n = ref.stack.shape[1:]
+        lead = x.shape[:-1]  # [...]
+        with self._context(eqn):
+            y = self.stacked_dot(x.reshape(int(np.prod(lead, dtype=int)), k), ref.stack, ref.index, out.dtype)
+            if y is None:
+                return None
+            self.kernel_dots += 1
+            return y.astype(out.dtype).reshape(*lead, n)  # [..., N]
+
+    def _update(self, eqn: jcore.JaxprEqn, ref: StackedRef, update, starts):
+        """dynamic_update_slice(row i, update, starts) as an in-place write into the carried stack."""
+        with self._context(eqn):
+            zero = lax.convert_element_type(0, lax.dtype(starts[0]) if starts else np.int32)
+            idx = (lax.convert_element_type(ref.index, zero.dtype), *starts)
+            stack = lax.dynamic_update_slice(ref.stack, update[None], idx)  # [L, ...]
+        new = StackedRef(stack, ref.index, ref.origin)
+        self.latest[ref.origin] = stack
+        return new
+
+    def write_back(self, origin, value):
+        """The carried stack `origin` after the step, with row i holding `value`."""
+        stack = self.latest[origin]
+        if isinstance(value, StackedRef) and value.origin == origin and value.stack is stack:
+            return stack  # updated in place already
+        return lax.dynamic_update_index_in_dim(stack, self.row(value), self._index, 0)
+
+    def start(self, stacks: dict[Any, Any], index) -> None:
+        """Begin a scan step: `stacks` are the carried stacks by origin, `index` the layer index."""
+        self.latest, self._rows, self._index = dict(stacks), {}, index
+
+
+def output_aliases(callee: jcore.Jaxpr, stacked: Sequence[int], ys: Sequence[int]) -> dict[int, int]:
+    """{stacked input position: per-call output position} pairs that can share one carried stack.
+
+    An output aliases a stacked input when it has the same shape and dtype and depends on it (a
+    KV cache in, the updated cache out). Row i of the carried stack is read before it is written
+    and no step touches another row, so after the scan the stack holds every call's output.
+    """
+    deps: dict[Any, set[int]] = {v: {p} for p, v in enumerate(callee.invars)}
+    for eqn in callee.eqns:
+        d = set().union(*(deps.get(a, set()) for a in eqn.invars if not isinstance(a, jcore.Literal)))
+        deps.update((o, d) for o in eqn.outvars)
+    aliases, taken = {}, set()
+    for j in ys:
+        out = callee.outvars[j]
+        if isinstance(out, jcore.Literal):
+            continue
+        for p in stacked:
+            a, b = callee.invars[p].aval, out.aval
+            if p not in taken and p in deps.get(out, ()) and a.shape == b.shape and a.dtype == b.dtype:
+                aliases[p] = j
+                taken.add(p)
+                break
+    return aliases
