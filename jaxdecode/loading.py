@@ -11,7 +11,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxdecode.memory import preflight
 from jaxdecode.config import DEFAULT_MODEL, ModelConfig, PRESETS, get_preset
 from jaxdecode.model import Transformer, init_random, load_state_dict
 from jaxdecode.tokenizer import Tokenizer
@@ -28,8 +30,12 @@ class LoadedModel:
         return self.model.cfg
 
 
-def load_model(spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0) -> LoadedModel:
-    """Load `spec`: a preset name, a .gguf file or a HF directory. Raises ValueError on bad input."""
+def load_model(spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0, check_memory: bool = True) -> LoadedModel:
+    """Load `spec`: a preset name, a .gguf file or a HF directory. Raises ValueError on bad input.
+
+    With `check_memory`, a model whose weights, packing copy and a 4k-token cache cannot fit on the
+    device is refused before anything is allocated (`jaxdecode.memory.preflight`).
+    """
     from jaxdecode.weights.gguf import default_model_path, gguf_config, gguf_state_dict, read_gguf
     from jaxdecode.weights.safetensors import load_hf_dir
 
@@ -38,6 +44,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0) -
         path = default_model_path()
     elif spec in PRESETS:
         cfg = get_preset(spec)
+        if check_memory:
+            preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len))
         return LoadedModel(init_random(cfg, seed=seed, dtype=dtype), None, "random")
     if path.is_dir():
         cfg, tensors = load_hf_dir(path)
@@ -51,12 +59,9 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0) -
         source = str(path)
     else:
         raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file or directory")
-    model = Transformer(cfg, dtype=dtype, rngs=_no_rngs())
+    if check_memory:
+        preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len))
+    model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
     load_state_dict(model, {k: np.asarray(v) for k, v in tensors.items()})
     return LoadedModel(model, tokenizer, source)
 
-
-def _no_rngs():
-    from flax import nnx
-
-    return nnx.Rngs(0)

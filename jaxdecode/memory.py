@@ -1,0 +1,65 @@
+"""Memory preflight: estimate weights + KV cache + workspace before anything is allocated.
+
+    need = weights * (2 if looped, while the per-layer weights are stacked once)
+           + KV cache (2 * L * B * S * K * H * itemsize)
+           + workspace (logits [B, V] in f32 and activations, with a 10% margin on the total)
+
+Known debt: packing for the looped engine holds the unstacked and the stacked weights at once, so
+the looped engine needs twice the weight bytes at load time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+
+from jaxdecode.cache import cache_bytes
+from jaxdecode.config import ModelConfig
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    packing: int
+    kv_cache: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return int(1.1 * (self.weights + self.packing + self.kv_cache + self.workspace))
+
+    def describe(self) -> str:
+        return (f"weights {self.weights / GB:.1f} GB + packing copy {self.packing / GB:.1f} GB + "
+                f"KV cache {self.kv_cache / GB:.1f} GB + workspace {self.workspace / GB:.2f} GB, "
+                f"with 10% margin {self.total / GB:.1f} GB")
+
+
+def estimate(cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096,
+             looped: bool = True) -> MemoryEstimate:
+    weights = cfg.n_params * itemsize
+    workspace = batch * cfg.vocab_size * 4 * 2 + 16 * batch * context * max(cfg.dim, cfg.ffn_dim) * 4 // 1024
+    return MemoryEstimate(weights, weights if looped else 0, cache_bytes(cfg, batch, context, itemsize), workspace)
+
+
+def device_memory_bytes(device=None) -> int:
+    """Memory the device can allocate: the allocator's limit on accelerators, physical RAM on the CPU."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def preflight(cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096, looped: bool = True,
+              available: int | None = None) -> MemoryEstimate:
+    """Raise ValueError with the numbers when the estimate exceeds the device's memory."""
+    est = estimate(cfg, itemsize=itemsize, batch=batch, context=context, looped=looped)
+    available = device_memory_bytes() if available is None else available
+    if est.total > available:
+        raise ValueError(f"{cfg.name} does not fit: needs {est.describe()}, but the device has "
+                         f"{available / GB:.1f} GB")
+    return est
