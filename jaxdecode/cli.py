@@ -53,12 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(max_new_tokens=256)
     chat.add_argument("--system", default=None, help="an optional system message")
 
-    bench = sub.add_parser("bench", help="measure decode speed (prefill ms, tok/s) on this machine")
+    bench = sub.add_parser("bench", help="measure decode speed (prefill ms, tok/s) on this machine, alone or "
+                                         "against peers (HF transformers, plain JAX) over a suite of configs")
     _add_model(bench)
-    bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--prompt-len", type=int, default=32)
+    bench.add_argument("--batch", type=int, default=None, help="batch (default 1)")
+    bench.add_argument("--prompt-len", type=int, default=None,
+                       help="prompt tokens (default 32; in suite mode 16, prefilled after the context)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--compare-unrolled", action="store_true", help="also time the unrolled layers")
+    suite = bench.add_argument_group("suite mode (any of these flags): ours vs peers, one JSON line per row")
+    suite.add_argument("--suite", choices=["gpu"], default=None,
+                       help="gpu: llama-3.1-8b and qwen2.5-7b, random weights, batch 1,8,32, context 1k,8k")
+    suite.add_argument("--models", default=None, help="comma-separated presets (overrides the suite's)")
+    suite.add_argument("--batches", default=None, help="comma-separated batch sizes, e.g. 1,8,32")
+    suite.add_argument("--contexts", default=None,
+                       help="comma-separated tokens already in the cache, e.g. 1k,8k (default 1024)")
+    suite.add_argument("--peers", default=None,
+                       help="comma-separated from unrolled,scan,hf_eager,hf_static, or none (default: all)")
+    suite.add_argument("--steps", type=int, default=64, help="decode steps timed per row (default 64)")
+    suite.add_argument("--seed", type=int, default=0)
+    suite.add_argument("--budget-s", type=float, default=None,
+                       help="skip rows whose estimated time no longer fits in this many seconds")
+    suite.add_argument("--ceiling-gib", type=float, default=None, help="GiB summed to measure the read ceiling")
+    suite.add_argument("--out", default=None, help="directory for bench.jsonl and bench.png")
+    suite.add_argument("--dry-run", nargs="?", const="gpu", choices=["gpu", "cpu"], default=None,
+                       help="print the plan with estimated seconds for this backend (default gpu) and exit")
 
     report = sub.add_parser("loop-report", help="explain what the kernel-looping pass does to a model's decode step")
     report.add_argument("--model", default=DEFAULT_MODEL, help="a preset name (random weights suffice)")
@@ -122,8 +141,9 @@ def cmd_generate(args) -> int:
             print(stream.push(int(t)), end="", flush=True, file=out)
     print(stream.flush(), file=out)
     decode_tok_s = timings["decode_steps"] / timings["decode_s"] if timings["decode_s"] else 0.0
-    stats = {"prefill_ms": round(timings["prefill_s"] * 1e3, 2), "decode_tok_s": round(decode_tok_s, 2)}
-    print(f"[prefill {stats['prefill_ms']} ms (first call includes compilation), decode {stats['decode_tok_s']} tok/s]",
+    stats = {"prefill_ms": round(timings["prefill_s"] * 1e3, 2), "decode_tok_s": round(decode_tok_s, 2),
+             "compile_s": round(timings["compile_s"], 2)}
+    print(f"[compile {stats['compile_s']} s, prefill {stats['prefill_ms']} ms, decode {stats['decode_tok_s']} tok/s]",
           file=sys.stderr)
     if args.json:
         text_out = tok.decode([t for t in new_ids if t not in tok.eos_token_ids])

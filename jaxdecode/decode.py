@@ -53,7 +53,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     decode_steps: int
-    first_call_s: float = 0.0
+    compile_s: float = 0.0
     chunks: list[np.ndarray] = field(default_factory=list, repr=False)
 
     @property
@@ -85,6 +85,17 @@ class Engine:
             self.params = params
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)
         self._chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
+        self._executables: dict = {}  # ahead-of-time compiled steps, so that timings exclude compilation
+
+    def _compiled(self, jitted, *args, timings: dict, **static):
+        """The compiled executable of `jitted` for these argument shapes (compiled once, timed)."""
+        leaves = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
+        key = (id(jitted), jax.tree.structure(args), leaves, tuple(sorted(static.items())))
+        if key not in self._executables:
+            start = time.perf_counter()
+            self._executables[key] = jitted.lower(*args, **static).compile()
+            timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - start
+        return self._executables[key]
 
     # -- pure functions -------------------------------------------------------------------------
 
@@ -137,7 +148,8 @@ class Engine:
         """Yield new tokens [B, n] chunk by chunk; -1 marks positions after a sequence ended.
 
         The first chunk holds the one token sampled from the prefill logits. If `timings` is a dict,
-        it receives prefill_s, decode_s and decode_steps.
+        it receives compile_s (ahead-of-time compilation, 0 when cached), prefill_s, decode_s and
+        decode_steps; the last three exclude compilation.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
@@ -162,20 +174,25 @@ class Engine:
         done_ids = jnp.asarray(list(eos_ids) or [-2], jnp.int32)
         timings = {} if timings is None else timings
 
-        start = time.perf_counter()
+        timings["compile_s"] = 0.0
         cache = self.new_cache(len(prompts), cache_len)
-        state, _ = self._prefill(self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                                 jax.random.key(seed), done_ids, sampling=sampling)
+        args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), done_ids)
+        prefill = self._compiled(self._prefill, *args, timings=timings, sampling=sampling)
+        start = time.perf_counter()
+        state, _ = prefill(*args)
         first = np.asarray(state.tokens)[:, None]
         timings["prefill_s"] = time.perf_counter() - start
         yield first
         done = np.asarray(state.done)
+        pad = jnp.int32(-1)
+        step_chunk = self._compiled(self._chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk,
+                                    sampling=sampling) if n_chunks else None
         start = time.perf_counter()
         decoded = 0
         for _ in range(n_chunks):
             if done.all():
                 break
-            state, new = self._chunk(self.params, state, done_ids, jnp.int32(-1), steps=chunk, sampling=sampling)
+            state, new = step_chunk(self.params, state, done_ids, pad)
             new = np.asarray(new)[:, : steps - decoded]
             decoded += new.shape[1]
             done = np.asarray(state.done)
@@ -191,7 +208,8 @@ class Engine:
         chunks = list(self.generate_stream(prompts, timings=timings, **kwargs))
         all_tokens = np.concatenate(chunks, axis=1)  # [B, new]
         ids = [[int(t) for t in row if t >= 0] for row in all_tokens]
-        return Generation(ids, timings["prefill_s"], timings["decode_s"], timings["decode_steps"], chunks=chunks)
+        return Generation(ids, timings["prefill_s"], timings["decode_s"], timings["decode_steps"],
+                          compile_s=timings["compile_s"], chunks=chunks)
 
     def forward_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [B, T, V] of a full forward pass over tokens [B, T] (no cache reuse): for tests."""

@@ -1,7 +1,7 @@
 """`jaxdecode rdu`: decode time of a preset on modeled SN40L sockets (looped and not) and on a GPU.
 
     jaxdecode rdu --model llama-3.1-8b --batch 1 --context 4096 --sockets 1,2,4,8,16 --hbm-tb-s 1.8 --gpu h200
-    jaxdecode rdu --validate          # the published / measured numbers vs the model
+    jaxdecode rdu --validate          # published / measured numbers vs the model (published and fitted constants)
     jaxdecode rdu --model llama-3.1-70b --html report.html --png report.png
 
 The lead wires `add_parser` and `run` into jaxdecode/cli.py. With --json the last line is one JSON object.
@@ -48,13 +48,14 @@ def run(args) -> int:
     from rdu.analysis import analyze
 
     if args.validate:
-        from rdu.validate import mape, rows, table
+        from rdu.validate import comparison_table
 
-        rs = rows()
-        print(table(rs))
+        text, data = comparison_table()
+        print(text)
         if args.json:
-            print(json.dumps({"rows": [dict(vars(r), delta_pct=r.delta_pct, within=r.within) for r in rs],
-                              "mape": mape(rs)}))
+            pub = [r for r in data["rows"] if r["group"] != "h200"]
+            data["mape"] = sum(abs(r["delta_pct"]) for r in pub) / len(pub)  # published constants, as before
+            print(json.dumps(data))
         return 0
     try:
         cfg = get_preset(args.model)
@@ -64,6 +65,8 @@ def run(args) -> int:
     if args.batch < 1 or args.context < 1 or not sockets or any(not 1 <= s <= 16 for s in sockets):
         return _fail("need --batch >= 1, --context >= 1 and socket counts in 1..16")
     a = analyze(cfg, args.batch, args.context, sockets, hbm_tb_s=args.hbm_tb_s, gpu_name=args.gpu)
+    if not a.fitting:  # no socket count asked for holds the model: say why (the first reason), exit 2
+        return _fail(a.runs[0].reason)
     for line in a.lines:
         print(line)
     if getattr(args, "html", None):

@@ -7,9 +7,30 @@ sim-anchors.md; "assumed" marks a value no public source gives, with the reasoni
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 GIB, TIB, MIB, KIB = 2**30, 2**40, 2**20, 2**10
+
+# The stored fit of the free constants (rdu/fit.py writes it: `python -m rdu.fit`).
+FITTED_PATH = Path(__file__).with_name("fitted.json")
+CONSTANTS = ("published", "fitted")  # "published": the sourced/assumed values below (the default)
+
+
+@functools.lru_cache(maxsize=1)
+def load_fitted() -> dict:
+    """The record of rdu/fitted.json: fitted constants, their fit rows, loss and per-row errors."""
+    try:
+        return json.loads(FITTED_PATH.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{FITTED_PATH} is missing: run `python -m rdu.fit` to write it") from None
+
+
+def _check_constants(constants: str) -> None:
+    if constants not in CONSTANTS:
+        raise ValueError(f"constants must be one of {CONSTANTS}, got {constants!r}")
 
 # The three published SN40L HBM bandwidths per socket (bytes/s): choose one with `sn40l(hbm_tb_s=...)`.
 SN40L_HBM_CHOICES = {1.6: "successor paper 'Dataflow Is All You Need' (25.6 TB/s for 16 sockets)",
@@ -79,14 +100,30 @@ class GPUSpec(_Sourced):
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
 
-def sn40l(hbm_tb_s: float = 1.8) -> RDUSpec:
+def sn40l(hbm_tb_s: float = 1.8, constants: str = "published") -> RDUSpec:
     """The SN40L socket; `hbm_tb_s` picks one of the published HBM bandwidths (1.6, 1.8 or 2.0 TB/s).
 
     Default 1.8 TB/s: the chip paper's own Table II, the primary spec sheet. 1.6 TB/s is the figure the
     successor paper uses as "peak" for its roofline percentages, so `validate` quotes % of peak on it.
+    `constants="fitted"` replaces the free constants (launch_s, boundary_s = sync + fill/drain,
+    hbm_efficiency) with those of rdu/fitted.json (fitted at 1.8 TB/s).
     """
+    _check_constants(constants)
     if hbm_tb_s not in SN40L_HBM_CHOICES:
         raise ValueError(f"SN40L HBM bandwidth must be one of {sorted(SN40L_HBM_CHOICES)} TB/s, got {hbm_tb_s}")
+    spec = _sn40l(hbm_tb_s)
+    if constants == "published":
+        return spec
+    c = load_fitted()["sn40l"]["fitted"]
+    note = "fitted (rdu/fitted.json, python -m rdu.fit) to the Kernel Looping rows; published: "
+    src = dict(spec.sources)
+    return replace(spec, name=spec.name + " fitted", launch_s=c["launch_s"],
+                   boundary_s=c["sync_s"] + c["fill_drain_s"], hbm_efficiency=c["hbm_efficiency"],
+                   sources=tuple((k, note + v if k in ("launch_s", "boundary_s", "hbm_efficiency") else v)
+                                 for k, v in src.items()))
+
+
+def _sn40l(hbm_tb_s: float) -> RDUSpec:
     return RDUSpec(
         name=f"SN40L (HBM {hbm_tb_s} TB/s)",
         pcus=1040, pmus=1040, sram_bytes=520 * MIB, pmu_bytes=512 * KIB, hbm_bytes=64 * GIB,
@@ -151,8 +188,20 @@ H100 = replace(
 GPUS = {"h100": H100, "h200": H200}
 
 
-def gpu(name: str) -> GPUSpec:
+GPU_FREE = ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "attention_efficiency")
+
+
+def gpu(name: str, constants: str = "published") -> GPUSpec:
+    """A GPU spec; `constants="fitted"` takes the four free constants from rdu/fitted.json (fitted to
+    our H200 rows; the same values are used for the H100)."""
+    _check_constants(constants)
     try:
-        return GPUS[name.lower()]
+        spec = GPUS[name.lower()]
     except KeyError:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+    if constants == "published":
+        return spec
+    c = load_fitted()["gpu"]["fitted"]
+    note = "fitted (rdu/fitted.json) to our H200 batch-1 rows; published: "
+    return replace(spec, name=spec.name + " fitted", **{k: c[k] for k in GPU_FREE},
+                   sources=tuple((k, note + v if k in GPU_FREE else v) for k, v in spec.sources))

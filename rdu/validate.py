@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from jaxdecode.config import get_preset
-from rdu.hardware import GIB, H100, H200, sn40l
+from rdu.hardware import GIB, gpu, sn40l
 from rdu.mapping import ModelDoesNotFit, map_decode
 from rdu.simulate import gpu_estimate, simulate_rdu
 from rdu.trace import trace_decode_step
@@ -43,28 +43,32 @@ class Row:
         return abs(self.delta_pct) <= self.bound_pct
 
 
-def _rdu(name: str, sockets: int, *, batch: int = 1, context: int = 4096, hbm_tb_s: float = 1.8):
+def _rdu(name: str, sockets: int, *, batch: int = 1, context: int = 4096, hbm_tb_s: float = 1.8,
+         constants: str = "published"):
     cfg = get_preset(name)
     g = trace_decode_step(cfg, batch, context)
-    m = map_decode(g, sn40l(hbm_tb_s), sockets, batch=batch, kv_heads=cfg.n_kv_heads, dim=cfg.dim)
+    m = map_decode(g, sn40l(hbm_tb_s, constants), sockets, batch=batch, kv_heads=cfg.n_kv_heads, dim=cfg.dim)
     return simulate_rdu(m, looped=True), simulate_rdu(m, looped=False)
 
 
-def _kl_speedups(sockets: tuple[int, ...], models=KL_MODELS, batches=(1,)) -> list[float]:
+def _kl_speedups(sockets: tuple[int, ...], models=KL_MODELS, batches=(1,), constants: str = "published") -> list[float]:
     out = []
     for name in models:
         for p in sockets:
             for b in batches:
                 try:
-                    on, off = _rdu(name, p, batch=b)
+                    on, off = _rdu(name, p, batch=b, constants=constants)
                 except ModelDoesNotFit:
                     continue
                 out.append(off.per_token_s / on.per_token_s)
     return out
 
 
-def rows() -> list[Row]:
-    """Every validation row (traces are cached, so a second call is cheap)."""
+def rows(constants: str = "published") -> list[Row]:
+    """Every validation row (traces are cached, so a second call is cheap); `constants` picks the
+    published/assumed free constants of rdu.hardware or the fitted ones of rdu/fitted.json."""
+    c = constants
+    H100, H200 = gpu("h100", c), gpu("h200", c)
     out: list[Row] = []
     cfg8 = get_preset("llama-3.1-8b")
     g = trace_decode_step(cfg8, 1, 4096)
@@ -83,9 +87,9 @@ def rows() -> list[Row]:
         Row("trace", "KL Table 1: FLOP/byte", 1.3, gflops / gib, "papers.md §1.2 [P-abs]", bound_pct=20),
     ]
     # SN40L claims (KL v1 abstract, DIAYN/STeP secondary).
-    one = _kl_speedups((1,))
-    multi = _kl_speedups((8, 16), models=("llama-3.1-8b", "llama-3.1-70b"))
-    geo = _kl_speedups((8, 16), batches=(1, 8))
+    one = _kl_speedups((1,), constants=c)
+    multi = _kl_speedups((8, 16), models=("llama-3.1-8b", "llama-3.1-70b"), constants=c)
+    geo = _kl_speedups((8, 16), batches=(1, 8), constants=c)
     out += [
         Row("sn40l", "KL speedup, max over models, 1 socket (KL: up to 2.2x)", 2.2, max(one),
             "papers.md §1.1 [P-abs]; configuration NOT FOUND", kind="upper bound"),
@@ -97,14 +101,14 @@ def rows() -> list[Row]:
     peak16 = 1.6e12  # the successor paper's per-socket peak, which its % of roofline uses
     for name in ("llama-3.1-8b", "llama-3.1-70b"):
         for p in (8, 16):
-            on, _ = _rdu(name, p)
+            on, _ = _rdu(name, p, constants=c)
             frac = on.bytes_per_token / (p * peak16) / on.per_token_s
             out.append(Row("sn40l", f"% of roofline, {name} looped, {p} sockets (KL: > 90 %)", 90.0, 100 * frac,
                            "papers.md §1.1/§1.7 [P-abs], peak 1.6 TB/s/socket", kind="lower bound"))
     # vs DGX H100: GPU side from the published measurement (300 tok/s, papers.md §1.8 / §5 item 2).
     g4k = trace_decode_step(cfg8, 1, 4096, looped=False)
     for p, claim in ((16, 3.7), (8, 2.0)):
-        on, _ = _rdu("llama-3.1-8b", p)
+        on, _ = _rdu("llama-3.1-8b", p, constants=c)
         out.append(Row("sn40l", f"SN40L-{p} / DGX H100, Llama-3.1-8B bs1 4K (up to {claim}x)", claim, on.tok_s / 300.0,
                        "papers.md §1.8 [P-abs + S:STeP]; DGX side = published 300 tok/s", kind="upper bound"))
     trt = gpu_estimate(g4k, H100, batch=1, dim=cfg8.dim, kv_heads=8, mode="fixed", n_gpus=8, kernels_per_layer=10)
@@ -154,3 +158,49 @@ def table(rs: list[Row] | None = None) -> str:
         lines.append(f"MAPE {grp}: {mape(sub):.1f}% over {len(sub)} rows")
     lines.append(f"MAPE all: {mape(rs):.1f}% over {len(rs)} rows; max |Δ| {max(abs(r.delta_pct) for r in rs):.1f}%")
     return "\n".join(lines)
+
+
+def h200_rows(constants: str = "published") -> list[Row]:
+    """Our measured H200 step times (BENCHMARKS.md and h200-anchors.md; the rows rdu.fit uses) against
+    the GPU mode of the reference simulator; `kind` says whether rdu.fit trained on the row."""
+    from rdu.fit import H200_ROWS
+
+    cfg = get_preset("llama-3.1-8b")
+    spec = gpu("h200", constants)
+    out = []
+    for r in H200_ROWS:
+        g = trace_decode_step(cfg, r.batch, r.context, looped=False)
+        e = gpu_estimate(g, spec, batch=r.batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=r.mode)
+        out.append(Row("h200", f"{r.what} ({r.mode}), ms/step", r.measured_ms, e.ms_per_token, r.source,
+                       kind="fit row" if r.split == "train" else "held out", bound_pct=15.0))
+    return out
+
+
+def max_err(rs: list[Row]) -> float:
+    return max(abs(r.delta_pct) for r in rs)
+
+
+def comparison_table() -> tuple[str, dict]:
+    """Every row with the model under the published and under the fitted constants, then the H200
+    measured rows and their MAPE / max error (all, fit rows, held-out rows). Returns (text, json)."""
+    pub, fit = rows("published") + h200_rows("published"), rows("fitted") + h200_rows("fitted")
+    lines = [f"{'group':6s} {'what':78s} {'published':>9s} {'model':>9s} {'Δ%':>7s} {'fitted':>9s} {'Δ%':>7s}  kind",
+             "-" * 140]
+    for a, b in zip(pub, fit):
+        lines.append(f"{a.group:6s} {a.what[:78]:78s} {a.published:9.4g} {a.model:9.4g} {a.delta_pct:+7.1f} "
+                     f"{b.model:9.4g} {b.delta_pct:+7.1f}  {a.kind}")
+    summary = {}
+    for name, sel in (("trace", lambda r: r.group == "trace"), ("sn40l", lambda r: r.group == "sn40l"),
+                      ("gpu (published/anchor rows)", lambda r: r.group == "gpu"),
+                      ("H200 measured, all", lambda r: r.group == "h200"),
+                      ("H200 measured, fit rows (batch 1)", lambda r: r.kind == "fit row"),
+                      ("H200 measured, held out (batch 8, 32)", lambda r: r.kind == "held out")):
+        a, b = [r for r in pub if sel(r)], [r for r in fit if sel(r)]
+        summary[name] = {"rows": len(a), "published": {"mape_pct": mape(a), "max_abs_err_pct": max_err(a)},
+                         "fitted": {"mape_pct": mape(b), "max_abs_err_pct": max_err(b)}}
+        lines.append(f"{name:38s} {len(a):2d} rows: published constants MAPE {mape(a):5.1f}% max {max_err(a):5.1f}%"
+                     f" | fitted MAPE {mape(b):5.1f}% max {max_err(b):5.1f}%")
+    lines.append("issue target for the GPU mode vs measured H200 rows: >= 8 configurations, MAPE <= 8%, max <= 15%")
+    data = {"rows": [dict(vars(a), delta_pct=a.delta_pct, within=a.within, fitted_model=b.model,
+                          fitted_delta_pct=b.delta_pct) for a, b in zip(pub, fit)], "summary": summary}
+    return "\n".join(lines), data

@@ -1,0 +1,188 @@
+"""rdu.fit: the JAX cost model equals the numpy/Python reference, its invariants (roofline, looping,
+zero overhead, d time / d bandwidth < 0 by jax.grad), the stored fit (rdu/fitted.json), the
+constants choice, and bad input."""
+
+import argparse
+import math
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxdecode.config import get_preset
+from rdu.fit import (H200_ROWS, GPUFeatures, fit_gpu, gpu_constants, gpu_features, gpu_time, rdu_constants,
+                     rdu_features, rdu_time)
+from rdu.hardware import H200, gpu, load_fitted, sn40l
+from rdu.mapping import ModelDoesNotFit, fuse, map_decode
+from rdu.simulate import gpu_estimate, simulate_gpu, simulate_rdu
+from rdu.trace import trace_decode_step
+
+REL = 1e-5  # the JAX model runs in float32; the reference in float64
+MODELS = ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b")
+SOCKETS = (1, 2, 4, 8, 16)
+CONSTANTS = ("published", "fitted")
+
+
+def _mappings(constants):
+    """(name, batch, mapping) over the grid; 70B+ are left out to keep the file fast."""
+    hw = sn40l(constants=constants)
+    out = []
+    for name in MODELS:
+        cfg = get_preset(name)
+        for b in (1, 8):
+            g = trace_decode_step(cfg, b, 4096)
+            for p in SOCKETS:
+                out.append((name, b, map_decode(g, hw, p, batch=b, kv_heads=cfg.n_kv_heads, dim=cfg.dim)))
+    return out
+
+
+@pytest.fixture(scope="module", params=CONSTANTS)
+def grid(request):
+    return request.param, _mappings(request.param)
+
+
+_time = jax.jit(rdu_time, static_argnames="looped")
+_dtime_dbw = jax.jit(jax.grad(lambda bw, c, f, looped: rdu_time(c, replace(f, hbm_bw=bw), looped)),
+                     static_argnames="looped")
+
+
+def test_jax_rdu_model_equals_reference(grid):
+    _, ms = grid
+    for _, _, m in ms:
+        c, f = rdu_constants(m.hw), rdu_features(m)
+        for looped in (True, False):
+            ref = simulate_rdu(m, looped=looped).per_token_s
+            assert float(_time(c, f, looped=looped)) == pytest.approx(ref, rel=REL)
+
+
+def test_invariants_roofline_looping_zero_overhead(grid):
+    _, ms = grid
+    for name, b, m in ms:
+        on, off = simulate_rdu(m, looped=True), simulate_rdu(m, looped=False)
+        floor = on.bytes_per_token / (m.sockets * m.hw.hbm_bw)
+        bare_on, bare_off = simulate_rdu(m, looped=True, overheads=False), simulate_rdu(m, looped=False, overheads=False)
+        assert floor <= bare_on.per_token_s <= on.per_token_s, (name, b, m.sockets)  # never beats the roofline
+        assert on.per_token_s <= off.per_token_s and bare_on.per_token_s <= bare_off.per_token_s  # looping never slower
+        # Zero call overhead and nothing to overlap (no all-reduce): looping gains exactly nothing.
+        nocomm = replace(m, hw=replace(m.hw, p2p_latency_s=0.0, p2p_bw=math.inf))
+        a, z = simulate_rdu(nocomm, looped=True, overheads=False), simulate_rdu(nocomm, looped=False, overheads=False)
+        assert a.per_token_s == z.per_token_s
+        if m.sockets == 1:
+            assert bare_on.per_token_s == bare_off.per_token_s
+        # The same in the JAX model: zero launch/sync/fill and zero all-reduce time.
+        f = replace(rdu_features(m), comm_s=jnp.zeros(len(m.kernels)))
+        zero = dict(rdu_constants(m.hw), launch_s=0.0, sync_s=0.0, fill_drain_s=0.0)
+        assert float(_time(zero, f, looped=True)) == float(_time(zero, f, looped=False))
+
+
+def test_time_decreases_with_bandwidth_by_grad(grid):
+    _, ms = grid
+    for name, b, m in ms:
+        c, f = rdu_constants(m.hw), rdu_features(m)
+        for looped in (True, False):
+            d = float(_dtime_dbw(jnp.float32(f.hbm_bw), c, f, looped=looped))
+            assert d < 0, (name, b, m.sockets, looped, d)
+
+
+@pytest.fixture(scope="module")
+def gpu_b1():
+    cfg = get_preset("llama-3.1-8b")
+    g = trace_decode_step(cfg, 1, 1024, looped=False)
+    return cfg, g, [k for k in fuse(g) if k.role != "sampling"]
+
+
+@pytest.mark.parametrize("constants", CONSTANTS)
+def test_jax_gpu_model_equals_reference_and_grad(gpu_b1, constants):
+    cfg, g, kernels = gpu_b1
+    for spec in (gpu("h200", constants), gpu("h100", constants)):
+        c = gpu_constants(spec)
+        for mode, n in (("xla", 1), ("eager", 1), ("scan_copy", 1), ("fixed", 8), ("xla", 4)):
+            kw = dict(mode=mode, n_gpus=n, kv_heads=cfg.n_kv_heads, activation_bytes=cfg.dim * 2)
+            ref = simulate_gpu(kernels, spec, batch=1, **kw).per_token_s
+            f = gpu_features(kernels, spec, **kw)
+            assert float(gpu_time(c, f)) == pytest.approx(ref, rel=REL)
+            assert ref >= f.model_bytes / n / spec.read_bw  # never beats the read roofline
+            d = jax.grad(lambda bw: gpu_time(c, replace(f, read_bw=bw)))(jnp.float32(spec.read_bw))
+            assert float(d) < 0
+
+
+def test_fitted_json_is_complete_and_consistent(gpu_b1):
+    rec = load_fitted()
+    for grp, keys in (("sn40l", ("launch_s", "sync_s", "fill_drain_s", "hbm_efficiency")),
+                      ("gpu", ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "attention_efficiency"))):
+        fitted = rec[grp]["fitted"]
+        assert set(fitted) == set(keys) and rec[grp]["fit_rows"] and rec[grp]["held_out_rows"]
+        assert all(v > 0 for v in fitted.values()) and all(fitted[k] < 1 for k in keys if "efficiency" in k)
+        assert math.isfinite(rec[grp]["train_loss"])
+    rows = rec["rows"]
+    assert {r["split"] for r in rows if r["group"] == "h200"} == {"train", "test"}
+    assert len([r for r in rows if r["group"] == "h200"]) >= 8
+    for r in rows:
+        assert r["fitted_err_pct"] == pytest.approx(100 * (r["fitted_model"] - r["target"]) / r["target"])
+    test = [abs(r["fitted_err_pct"]) for r in rows if r["group"] == "h200" and r["split"] == "test"]
+    assert rec["summary"]["h200_test"]["fitted"]["mape_pct"] == pytest.approx(sum(test) / len(test))
+    # The stored predictions are what the code gives now (batch-1 H200 rows, from one trace).
+    cfg, _, kernels = gpu_b1
+    c = rec["gpu"]["fitted"]
+    for row, stored in zip(H200_ROWS, [r for r in rows if r["group"] == "h200"]):
+        if row.batch == 1:
+            f = gpu_features(kernels, H200, mode=row.mode, kv_heads=8, activation_bytes=cfg.dim * 2)
+            assert 1e3 * float(gpu_time(c, f)) == pytest.approx(stored["fitted_model"], rel=1e-4)
+
+
+def test_constants_choice():
+    rec = load_fitted()
+    pub, fit = sn40l(), sn40l(constants="fitted")
+    assert pub == sn40l(constants="published") and pub.boundary_s == 20e-6  # default: published
+    assert fit.launch_s == rec["sn40l"]["fitted"]["launch_s"]
+    assert fit.boundary_s == pytest.approx(rec["sn40l"]["fitted"]["sync_s"] + rec["sn40l"]["fitted"]["fill_drain_s"])
+    assert "fitted" in fit.source("boundary_s") and fit.pcus == pub.pcus
+    assert gpu("h200", "fitted").eager_op_s == rec["gpu"]["fitted"]["eager_op_s"]
+    assert gpu("h200") is H200
+    with pytest.raises(ValueError, match="constants"):
+        sn40l(constants="tuned")
+    with pytest.raises(ValueError, match="constants"):
+        gpu("h200", "tuned")
+
+
+def test_optax_fit_lowers_the_loss(gpu_b1):
+    cfg, _, kernels = gpu_b1
+    rows = [r for r in H200_ROWS if r.batch == 1]
+    feats = [gpu_features(kernels, H200, mode=r.mode, kv_heads=8, activation_bytes=cfg.dim * 2) for r in rows]
+    assert all(isinstance(f, GPUFeatures) for f in feats)
+    c0 = gpu_constants(H200)
+    before = sum((math.log(1e3 * float(gpu_time(c0, f))) - math.log(r.measured_ms)) ** 2
+                 for f, r in zip(feats, rows)) / len(rows)
+    fitted, loss = fit_gpu(feats, rows=rows, steps=60, lr=0.05)
+    assert loss < before and fitted["eager_op_s"] > c0["eager_op_s"]  # HF eager is slower than 5 us/op gives
+
+
+def _cli(*argv):
+    from rdu.cli import add_parser, run
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    return run(p.parse_args(["rdu", *argv]))
+
+
+def test_bad_input(capsys):
+    assert _cli("--model", "no-such-model") == 2
+    assert "unknown model preset 'no-such-model'" in capsys.readouterr().err
+    for s in ("0", "-1", "17"):
+        assert _cli("--model", "qwen2.5-0.5b", "--sockets", s) == 2
+        assert "socket counts in 1..16" in capsys.readouterr().err
+    assert _cli("--model", "llama-3.1-405b", "--sockets", "1,2") == 2  # fits neither
+    err = capsys.readouterr().err
+    assert "exceeds HBM" in err and "needs 16 sockets" in err and err.count("\n") == 1
+    cfg = get_preset("qwen2.5-0.5b")
+    g = trace_decode_step(cfg, 1, 4096)
+    with pytest.raises(ValueError, match="sockets must be in 1..16"):
+        map_decode(g, sn40l(), 0, batch=1, kv_heads=cfg.n_kv_heads, dim=cfg.dim)
+    with pytest.raises(ModelDoesNotFit):
+        map_decode(trace_decode_step(get_preset("llama-3.1-405b"), 1, 4096), sn40l(), 4, batch=1, kv_heads=8,
+                   dim=16384)
+    with pytest.raises(ValueError, match="unknown GPU"):
+        gpu("a100")
+    with pytest.raises(ValueError, match="mode"):
+        gpu_estimate(g, H200, batch=1, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="tensorrt")
