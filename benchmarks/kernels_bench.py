@@ -1,12 +1,18 @@
 """Check and time the kernels/ ops against XLA and peers on one GPU; print a table, write JSON.
 
-  python benchmarks/kernels_bench.py [--out DIR] [--quick]
+  python benchmarks/kernels_bench.py [--out DIR] [--quick] [--only SECTIONS] [--smoke]
 
 Order: HBM read ceiling (sum over a 4 GiB bf16 array); correctness of every kernel against its
-jnp reference on the GPU; decode attention (ours async/sync, XLA einsum softmax, JAX's deprecated
-Pallas-Triton `decode_attention.gqa`, torch SDPA); flat GEMM (ours mosaic/triton/gemv, XLA dot,
-torch.matmul, a small tile sweep); and the headline: a loop over stacked weights [L, K, N],
-`lax.scan` with `x @ W[l]` (XLA copies W[l]) against `flat_gemm(x, W, l)` (read in place).
+jnp reference on the GPU; the headline: a loop over stacked weights [L, K, N], `lax.scan` with
+`x @ W[l]` (XLA copies W[l]) against `flat_gemm(x, W, l)` (read in place); flat GEMM on the four
+Llama-3.1-8B projections for M = 1..128, plain and looped over stacked layers (ours gemv / mosaic /
+triton vs XLA dot, through `kernels.tune`, which also writes the dispatch table
+`tune_<gpu>.json` next to the JSON), torch.matmul and SwiGLU; decode attention for B in {1, 8, 32}
+x S in {1k, 4k, 32k} (ours async / async without fallback / sync, XLA einsum softmax, JAX's
+deprecated Pallas-Triton `decode_attention.gqa`, torch SDPA) and the async-vs-sync speedup.
+
+--smoke runs every section on tiny shapes in interpret mode (the CPU works), so that a typo fails
+here and not on GPU time. Its timings mean nothing.
 
 Timing: XLA's dot-merger pass is disabled (it merges timed calls that share a weight). One jit
 holds R calls that rotate over input sets totalling > 2× the L2 cache, so each call
@@ -39,11 +45,22 @@ from jax import lax  # noqa: E402
 from kernels import decode_attention as da  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels import flat_gemm as fg  # noqa: E402
-from kernels.shapes import CATALOG  # noqa: E402
+from kernels import tune  # noqa: E402
+from kernels.shapes import MODELS, decode_shapes  # noqa: E402
 
 L2_BYTES = 60 * 2**20
 RESULTS: list[dict] = []
 CEILING = {"read_gbps": float("nan")}
+# What --smoke changes: calls per timed jit, timed runs, interpret mode, model and shapes.
+RUN = dict(reps=32, runs=5, interpret=False, smoke=False, model=MODELS["llama3_8b"],
+           attn_batches=(1, 8, 32), attn_lens=(1024, 4096, 32768), gemm_ms=tune.M_VALUES,
+           loop_layers=16, da_blocks=da.BlockSizes(), fg_blocks=fg.BlockSizes(), out=".")
+
+
+def smoke_mode():
+  RUN.update(reps=2, runs=1, interpret=True, smoke=True, model=tune.SMOKE_MODEL,
+             attn_batches=(1, 2), attn_lens=(64, 100), gemm_ms=(1, 2, 8), loop_layers=2,
+             da_blocks=da.BlockSizes(block_k=32), fg_blocks=tune.SMOKE_BLOCKS)
 
 
 def log(*a):
@@ -56,12 +73,13 @@ def _sets(make, nbytes: int, max_sets: int = 8):
   return [make(i) for i in range(n)]
 
 
-def time_jax(fn, sets, small, reps: int = 32, runs: int = 5) -> float:
+def time_jax(fn, sets, small, reps: int | None = None, runs: int | None = None) -> float:
   """Median µs per call of fn(*small[i], *sets[i % len(sets)]) over `reps` calls in one jit.
 
   `small` holds one distinct small input tuple per call (x or q): without it XLA's CSE would merge
   the calls that share a set. `sets` rotate the large operands (weights, caches) past the L2.
   """
+  reps, runs = reps or RUN["reps"], runs or RUN["runs"]
   assert len(small) == reps
   many = jax.jit(lambda sm, ss: [fn(*sm[i], *ss[i % len(ss)]) for i in range(reps)])
   jax.block_until_ready(many(small, sets))
@@ -128,7 +146,7 @@ def rel_err(out, ref):
 
 
 def measure_ceiling():
-  x = jnp.ones((2**31,), jnp.bfloat16)  # 4 GiB
+  x = jnp.ones((2**20 if RUN["smoke"] else 2**31,), jnp.bfloat16)  # 4 GiB
   f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
   jax.block_until_ready(f(x))
   ts = []
@@ -140,6 +158,8 @@ def measure_ceiling():
   del x
   torch_gbps = float("nan")
   try:
+    if RUN["smoke"]:
+      raise RuntimeError("smoke mode: no torch")
     import torch
     t = torch.ones(2**31, device="cuda", dtype=torch.bfloat16)
     torch_gbps = t.nbytes / time_torch(lambda a: a.sum(dtype=torch.float32), [(t,)], reps=4,
@@ -155,32 +175,35 @@ def measure_ceiling():
 
 
 def check_correctness():
-  log("\n== correctness on the GPU (relative L2 error vs the jnp reference) ==")
+  log("\n== correctness on the device (relative L2 error vs the jnp reference) ==")
   key = jax.random.key(1)
   ks = jax.random.split(key, 8)
-  b, t, n, kh, h, s = 3, 1, 32, 8, 128, 4096
+  md, interp = RUN["model"], RUN["interpret"]
+  b, t, n, kh, h = 3, 1, md.num_heads, md.num_kv_heads, md.head_dim
+  s = 100 if RUN["smoke"] else 4100  # not a multiple of the block: exercises the padding
   q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
   k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)
   v = jax.random.normal(ks[2], (b, s, kh, h), jnp.bfloat16)
-  lengths = jnp.array([1, 1000, 4096], jnp.int32)
+  lengths = jnp.array([1, s // 4, s], jnp.int32)
   ref, _ = da.decode_attention_reference(q, k, v, lengths)
+  akw = dict(block_sizes=RUN["da_blocks"], interpret=interp, poison=True)
   checks = {}
 
   def c_async():
-    o, info = da.decode_attention_async(q, k, v, lengths, 0.0)
+    o, info = da.decode_attention_async(q, k, v, lengths, 0.0, **akw)
     return rel_err(o, ref), float(info.recomputed.mean())
 
   def c_bad_phi():
-    o, info = da.decode_attention_async(q, k, v, lengths, 500.0)
+    o, info = da.decode_attention_async(q, k, v, lengths, 500.0, **akw)
     return rel_err(o, ref), float(info.recomputed.mean())
 
   def c_sync():
-    return rel_err(da.decode_attention_sync(q, k, v, lengths), ref), 0.0
+    return rel_err(da.decode_attention_sync(q, k, v, lengths, **akw), ref), 0.0
 
   def c_t3():
     q3 = jax.random.normal(ks[3], (b, 3, n, h), jnp.bfloat16)
     r3, _ = da.decode_attention_reference(q3, k, v, lengths + 2)
-    o, info = da.decode_attention_async(q3, k, v, lengths + 2, 0.0)
+    o, info = da.decode_attention_async(q3, k, v, lengths + 2, 0.0, **akw)
     return rel_err(o, r3), float(info.recomputed.mean())
 
   for name, f in dict(attn_async=c_async, attn_async_bad_phi=c_bad_phi, attn_sync=c_sync,
@@ -190,25 +213,27 @@ def check_correctness():
       checks[name] = dict(rel_err=r[0], recompute_rate=r[1])
       log(f"  {name:28s} rel_err={r[0]:.2e} recompute_rate={r[1]:.3f}")
 
-  layers, kk, nn = 4, 4096, 14336
+  layers, kk, nn = 4, md.d_model, md.ffn
   w = jax.random.normal(ks[4], (layers, kk, nn), jnp.bfloat16) * 0.02
   wu = jax.random.normal(ks[5], (layers, kk, nn), jnp.bfloat16) * 0.02
-  for m in (1, 8, 13, 64):
+  gkw = dict(block_sizes=RUN["fg_blocks"], interpret=interp)
+  for m in (1, 8, 13, 64, 128):
     x = jax.random.normal(ks[6], (m, kk), jnp.bfloat16)
     r = jax.random.normal(ks[7], (m, nn), jnp.bfloat16)
     ref = fg.flat_gemm_reference(x, w, 2, r)
     ref_sw = fg.flat_gemm_swiglu_reference(x, w, wu, 3)
     impls = ["mosaic", "triton"] + (["gemv"] if m == 1 else [])
     for impl in impls:
-      e = attempt(f"gemm_{impl}_m{m}",
-                  lambda: rel_err(fg.flat_gemm(x, w, jnp.int32(2), r, impl=impl), ref))
+      poison = interp or impl != "mosaic"  # compiled Mosaic cannot alias its output
+      e = attempt(f"gemm_{impl}_m{m}", lambda: rel_err(
+          fg.flat_gemm(x, w, jnp.int32(2), r, impl=impl, poison=poison, **gkw), ref))
       if e is not None:
         checks[f"gemm_{impl}_m{m}"] = dict(rel_err=e)
         log(f"  gemm {impl:7s} M={m:3d}              rel_err={e:.2e}")
       if impl == "gemv":
         continue
-      e = attempt(f"swiglu_{impl}_m{m}",
-                  lambda: rel_err(fg.flat_gemm_swiglu(x, w, wu, jnp.int32(3), impl=impl), ref_sw))
+      e = attempt(f"swiglu_{impl}_m{m}", lambda: rel_err(
+          fg.flat_gemm_swiglu(x, w, wu, jnp.int32(3), impl=impl, poison=poison, **gkw), ref_sw))
       if e is not None:
         checks[f"swiglu_{impl}_m{m}"] = dict(rel_err=e)
         log(f"  swiglu {impl:7s} M={m:3d}            rel_err={e:.2e}")
@@ -220,10 +245,11 @@ def check_correctness():
 
 def bench_attention(quick: bool):
   log("\n== decode attention (bytes = K and V read once) ==")
-  names = ["llama3_8b_b1_s8192_decode", "llama3_8b_b1_s32768_decode",
-           "llama3_8b_b8_s8192_decode", "llama3_8b_b32_s8192_decode"]
+  md, interp, blocks = RUN["model"], RUN["interpret"], RUN["da_blocks"]
+  shapes = [decode_shapes(md, b, s).attention for b in RUN["attn_batches"]
+            for s in RUN["attn_lens"]]
   if quick:
-    names = names[:2]
+    shapes = shapes[::3]
   try:
     import warnings
     with warnings.catch_warnings():
@@ -231,8 +257,11 @@ def bench_attention(quick: bool):
       from jax.experimental.pallas.ops.gpu import decode_attention as jax_da
   except Exception:  # noqa: BLE001
     jax_da = None
-  for sname in names:
-    a = CATALOG[sname].attention
+  if interp:
+    jax_da = None  # JAX's kernel hard-codes GPU compiler params
+  kw = dict(block_sizes=blocks, interpret=interp)
+  for a in shapes:
+    sname = a.name
     b, t, n, kh, h, s = a.batch, a.tokens, a.num_heads, a.num_kv_heads, a.head_dim, a.cache_len
 
     def make(i):
@@ -242,24 +271,33 @@ def bench_attention(quick: bool):
 
     sets = _sets(make, a.kv_bytes)
     small = [(jax.random.normal(jax.random.key(i), (b, t, n, h), jnp.bfloat16),
-              jnp.full((b,), s, jnp.int32)) for i in range(32)]
+              jnp.full((b,), s, jnp.int32)) for i in range(RUN["reps"])]
     variants = {
-        "ours_async": lambda q, L, k, v: da.decode_attention_async(q, k, v, L, 0.0)[0],
+        "ours_async": lambda q, L, k, v: da.decode_attention_async(q, k, v, L, 0.0, **kw)[0],
         "ours_async_norecompute": lambda q, L, k, v: da.decode_attention_async(
-            q, k, v, L, 0.0, recompute=False)[0],
-        "ours_sync": lambda q, L, k, v: da.decode_attention_sync(q, k, v, L),
-        "ours_async_norecompute_2xsplits": lambda q, L, k, v: da.decode_attention_async(
-            q, k, v, L, 0.0, recompute=False, block_sizes=da.BlockSizes(target_programs=528))[0],
+            q, k, v, L, 0.0, recompute=False, **kw)[0],
+        "ours_sync": lambda q, L, k, v: da.decode_attention_sync(q, k, v, L, **kw),
         "xla_einsum_softmax": lambda q, L, k, v: da.decode_attention_reference(q, k, v, L)[0],
     }
     if jax_da is not None and t == 1:
       variants["jax_pallas_gqa(triton)"] = lambda q, L, k, v: jax_da.gqa(
           q[:, 0], k, v, kv_seq_len=L)
+    times = {}
     for impl, f in variants.items():
       us = attempt(f"{sname}/{impl}", lambda: time_jax(f, sets, small))
       if us is not None:
-        record("attention", sname, impl, us, a.kv_bytes)
+        times[impl] = us
+        record("attention", sname, impl, us, a.kv_bytes, batch=b, cache_len=s)
     del sets
+    if {"ours_async", "ours_sync", "ours_async_norecompute"} <= set(times):
+      speed = dict(with_fallback=times["ours_sync"] / times["ours_async"],
+                   without_fallback=times["ours_sync"] / times["ours_async_norecompute"])
+      RESULTS.append(dict(group="async_speedup", name=sname, batch=b, cache_len=s,
+                          **{k: round(v, 3) for k, v in speed.items()}))
+      log(f"  async vs sync {sname}: x{speed['with_fallback']:.2f} with the fallback launch, "
+          f"x{speed['without_fallback']:.2f} without (sync µs / async µs)")
+    if RUN["smoke"]:
+      continue
 
     def torch_sdpa():
       import torch
@@ -273,49 +311,59 @@ def bench_attention(quick: bool):
                         tsets)
     us = attempt(f"{sname}/torch_sdpa", torch_sdpa)
     if us is not None:
-      record("attention", sname, "torch_sdpa", us, a.kv_bytes)
+      record("attention", sname, "torch_sdpa", us, a.kv_bytes, batch=b, cache_len=s)
 
 
 def bench_gemm(quick: bool):
-  log("\n== flat GEMM, Llama-3.1-8B per-layer shapes (bytes = one layer's weight) ==")
-  w = jnp.ones((4096, 4096), jnp.bfloat16)
-  xs = [jnp.full((8, 4096), i, jnp.bfloat16) for i in range(2)]
-  hlo = jax.jit(lambda a, b, w: [a @ w, b @ w]).lower(*xs, w).compile().as_text()
-  log(f"  dot-merger check, 2 dots sharing W: {hlo.count('__cublas')} cuBLAS calls, "
-      f"{hlo.count(' dot(')} dots (2 and 2 = not merged)")
-  shapes = [g for g in CATALOG["llama3_8b_b1_s8192_decode"].gemms if g.op in ("qkv", "o", "gate",
-                                                                             "down")]
-  ms = (1, 8, 32) if quick else (1, 8, 32, 64)
-  for g in shapes:
-    def make(i, g=g):
-      kw = jax.random.key(200 + i)
-      return (jax.random.normal(kw, (2, g.k, g.n), jnp.bfloat16) * 0.02,)  # [L=2, K, N]
-    wsets = _sets(make, g.weight_bytes * 2)
-    for m in ms:
-      small = [(jax.random.normal(jax.random.key(i), (m, g.k), jnp.bfloat16),) for i in range(32)]
-      variants = {
-          "xla_dot": lambda x, w: jnp.dot(x, w[1]),
-          "ours_mosaic": lambda x, w: fg.flat_gemm(x, w, 1, impl="mosaic"),
-          "ours_triton": lambda x, w: fg.flat_gemm(x, w, 1, impl="triton"),
-      }
-      if m == 1:
-        variants["ours_gemv"] = lambda x, w: fg.flat_gemm(x, w, 1, impl="gemv")
-      if m in (1, 8) and g.op in ("gate", "o"):
-        for tk, st, sp in ((512, 3, None), (256, 6, None), (256, 4, 2), (256, 4, 4)):
-          cfg = fg.BlockSizes(tile_k=tk, max_concurrent_steps=st, k_splits=sp)
-          variants[f"ours_mosaic_k{tk}_s{st}_sp{sp}"] = functools.partial(
-              lambda x, w, cfg: fg.flat_gemm(x, w, 1, impl="mosaic", block_sizes=cfg), cfg=cfg)
-      for impl, f in variants.items():
-        us = attempt(f"{g.name}/m{m}/{impl}", lambda: time_jax(f, wsets, small))
-        if us is not None:
-          record("gemm", f"{g.op}_k{g.k}_n{g.n}_m{m}", impl, us, g.weight_bytes, m=m, k=g.k,
-                 n=g.n)
-      if m in (1, 8, 32):
-        us = attempt(f"{g.name}/m{m}/torch", lambda: _torch_matmul(m, g.k, g.n, len(wsets)))
-        if us is not None:
-          record("gemm", f"{g.op}_k{g.k}_n{g.n}_m{m}", "torch_matmul", us, g.weight_bytes, m=m,
-                 k=g.k, n=g.n)
-    del wsets
+  """The four projections, plain and looped, through kernels.tune; writes the dispatch table."""
+  log("\n== flat GEMM, Llama-3.1-8B projections, plain and looped (bytes = one layer's weight) ==")
+  if not RUN["smoke"]:
+    w = jnp.ones((4096, 4096), jnp.bfloat16)
+    xs = [jnp.full((8, 4096), i, jnp.bfloat16) for i in range(2)]
+    hlo = jax.jit(lambda a, b, w: [a @ w, b @ w]).lower(*xs, w).compile().as_text()
+    log(f"  dot-merger check, 2 dots sharing W: {hlo.count('__cublas')} cuBLAS calls, "
+        f"{hlo.count(' dot(')} dots (2 and 2 = not merged)")
+  ms = tuple(m for m in RUN["gemm_ms"] if not quick or m in (1, 8, 32))
+  shapes = tune.decode_gemm_shapes(RUN["model"], layers=RUN["loop_layers"])
+  device_timer = tune.device_timer(reps=RUN["reps"], runs=RUN["runs"],
+                                   interpret=RUN["interpret"], block_sizes=RUN["fg_blocks"])
+
+  def timer(s, impl, m):
+    us = attempt(f"gemm/{s.form}/{s.op}/m{m}/{impl}", lambda: device_timer(s, impl, m))
+    if us is not None:
+      record("gemm" if s.form == "plain" else "gemm_looped", f"{s.op}_k{s.k}_n{s.n}_m{m}",
+             impl, us, 2 * s.k * s.n, m=m, k=s.k, n=s.n, form=s.form, layers=s.layers)
+    return us
+
+  gemm = tune.profile_gemm(shapes, timer, ms, log=lambda *a: None)
+  dev = jax.devices()[0]
+  date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+  source = (f"benchmarks/kernels_bench.py (kernels.tune timer) on {dev.device_kind}, jax "
+            f"{jax.__version__}, {date}" + (" (SMOKE: meaningless)" if RUN["smoke"] else ""))
+  attention = _attention_timings()
+  table = attempt("tune_table", lambda: tune.build_table(dev.device_kind, source, gemm, ms,
+                                                        attention))
+  if table is not None:
+    path = os.path.join(RUN["out"], f"tune_{dispatch.normalize_gpu_name(dev.device_kind)}.json")
+    with open(path, "w") as fh:
+      json.dump(table, fh, indent=1)
+    RESULTS.append(dict(group="tune_table", path=path, gemm=[
+        {k: e[k] for k in ("op", "form", "n", "k", "m1", "m2", "flat_impl")} for e in table["gemm"]],
+        attention=table.get("attention", {}).get("impl")))
+    for e in table["gemm"]:
+      log(f"  table {e['form']:6s} {e['op']:8s} [N, K]=[{e['n']}, {e['k']}]  M1={e['m1']} "
+          f"M2={e['m2']} flat={e['flat_impl']}")
+    log(f"  wrote {path}")
+  if RUN["smoke"]:
+    return
+  for s in shapes:
+    if s.form != "plain":
+      continue
+    for m in (1, 8, 32, 64):
+      us = attempt(f"{s.op}/m{m}/torch", lambda: _torch_matmul(m, s.k, s.n, 4))
+      if us is not None:
+        record("gemm", f"{s.op}_k{s.k}_n{s.n}_m{m}", "torch_matmul", us, 2 * s.k * s.n, m=m,
+               k=s.k, n=s.n, form="plain")
   log("\n== SwiGLU (gate+up in one kernel) ==")
   d, f_ = 4096, 14336
   wg = [(jax.random.normal(jax.random.key(300 + i), (2, d, f_), jnp.bfloat16) * 0.02,
@@ -330,6 +378,16 @@ def bench_gemm(quick: bool):
         record("swiglu", f"swiglu_d{d}_f{f_}_m{m}", impl, us, 2 * 2 * d * f_, m=m)
 
 
+def _attention_timings():
+  """The attention rows already measured, as tune.build_table wants them (impl -> shape -> µs)."""
+  names = {"ours_async": "async", "ours_sync": "sync", "xla_einsum_softmax": "xla"}
+  out: dict[str, dict[str, float]] = {}
+  for r in RESULTS:
+    if r.get("group") == "attention" and r["impl"] in names:
+      out.setdefault(names[r["impl"]], {})[r["name"]] = r["us"]
+  return out or None
+
+
 def _torch_matmul(m, k, n, nsets):
   import torch
   x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -339,12 +397,15 @@ def _torch_matmul(m, k, n, nsets):
 
 def bench_looped(quick: bool):
   log("\n== headline: loop over stacked weights [L, K, N] (bytes = L layers' weights) ==")
-  cases = [(32, 4096, 4096), (32, 4096, 14336)]
+  md, interp, blocks = RUN["model"], RUN["interpret"], RUN["fg_blocks"]
+  layers = md.num_layers
+  cases = [(layers, md.d_model, md.d_model), (layers, md.d_model, md.ffn)]
   for layers, k, n in cases:
     w = jax.random.normal(jax.random.key(7), (layers, k, n), jnp.bfloat16) * 0.02
     nbytes = layers * k * n * 2
     for m in (1, 8):
-      small = [(jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16),) for i in range(4)]
+      reps = 2 if RUN["smoke"] else 4
+      small = [(jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16),) for i in range(reps)]
 
       def step(x, y):  # keeps a dependency from layer to layer, like a decoder
         return x + 1e-3 * y[:, :k].astype(x.dtype)
@@ -353,7 +414,8 @@ def bench_looped(quick: bool):
         return lax.scan(lambda c, wl: (step(c, c @ wl), None), x, w)[0]
 
       def loop_kernel(x, w, impl):
-        return lax.fori_loop(0, layers, lambda l, c: step(c, fg.flat_gemm(c, w, l, impl=impl)), x)
+        return lax.fori_loop(0, layers, lambda l, c: step(c, fg.flat_gemm(
+            c, w, l, impl=impl, block_sizes=blocks, interpret=interp)), x)
 
       def unrolled_xla(x, w):
         for l in range(layers):
@@ -369,65 +431,53 @@ def bench_looped(quick: bool):
       if m == 1:
         variants["ours_gemv_loop(W,l)"] = functools.partial(loop_kernel, impl="gemv")
       for impl, f in variants.items():
-        us = attempt(f"loop/{k}x{n}/m{m}/{impl}", lambda: time_jax(f, [(w,)], small, reps=4))
+        us = attempt(f"loop/{k}x{n}/m{m}/{impl}", lambda: time_jax(f, [(w,)], small, reps=reps))
         if us is not None:
           record("looped", f"L{layers}_k{k}_n{n}_m{m}", impl, us, nbytes, m=m)
     del w
-
-
-def suggest_dispatch():
-  """Per [N, K]: M1 = first M where the flat GEMM beats gemv, M2 = first M where XLA beats it."""
-  log("\n== dispatch suggestion from the GEMM rows ==")
-  rows = [r for r in RESULTS if r.get("group") == "gemm"]
-  out = {}
-  for key in sorted({(r["k"], r["n"]) for r in rows}):
-    by_m = {}
-    for r in rows:
-      if (r["k"], r["n"]) == key:
-        by_m.setdefault(r["m"], {})[r["impl"]] = r["us"]
-    m2 = next((m for m in sorted(by_m) if by_m[m].get("xla_dot", 1e9) < min(
-        by_m[m].get("ours_mosaic", 1e9), by_m[m].get("ours_triton", 1e9))), None)
-    best = {m: min(v, key=v.get) for m, v in by_m.items()}
-    out[f"k{key[0]}_n{key[1]}"] = dict(m2=m2, best=best)
-    log(f"  K={key[0]:6d} N={key[1]:6d}  M2={m2}  best per M: {best}")
-  RESULTS.append(dict(group="dispatch_suggestion", table=out))
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   p.add_argument("--quick", action="store_true")
-  p.add_argument("--only", default="ceiling,correct,attention,gemm,looped")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny shapes in interpret mode (CPU): checks the script, times nothing")
+  p.add_argument("--only", default="ceiling,correct,looped,attention,gemm")
   args = p.parse_args()
+  if args.smoke:
+    smoke_mode()
+  RUN["out"] = args.out
+  os.makedirs(args.out, exist_ok=True)
   dev = jax.devices()[0]
   log(f"jax {jax.__version__}, device {dev.device_kind} ({dev.platform}), "
-      f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+      f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}" + (" SMOKE" if args.smoke else ""))
   log(f"dispatch: gemm M=1 {dispatch.choose_gemm(1, 14336, 4096)}, "
       f"attention {dispatch.choose_attention()}")
   only = args.only.split(",")
   t0 = time.time()
   measure_ceiling()
   meta = dict(jax=jax.__version__, device=dev.device_kind, date=time.strftime("%Y-%m-%d"),
-              xla_flags=os.environ["XLA_FLAGS"], ceiling=CEILING)
+              xla_flags=os.environ["XLA_FLAGS"], ceiling=CEILING, smoke=args.smoke)
   path = os.path.join(args.out, "kernels_bench.json")
 
   def save():  # after every section, so a run cut short still leaves its numbers
     with open(path, "w") as fh:
       json.dump(dict(meta=meta, results=RESULTS), fh, indent=1)
 
+  # attention before gemm: the tune table takes its attention entry from those rows
   for name, f in (("correct", check_correctness), ("looped", bench_looped),
-                  ("gemm", bench_gemm), ("attention", bench_attention)):
+                  ("attention", bench_attention), ("gemm", bench_gemm)):
     if name in only:
       attempt(name, (lambda f=f: f() if f is check_correctness else f(args.quick)))
       log(f"  [{name} done at {time.time() - t0:.0f}s]")
       save()
-  if "gemm" in only:
-    suggest_dispatch()
   save()
   log(f"\nwrote {path}")
-  log(json.dumps(dict(meta=meta, n_results=len(RESULTS),
-                      failures=[r["name"] for r in RESULTS if r.get("group") == "failure"])))
+  failures = [r["name"] for r in RESULTS if r.get("group") == "failure"]
+  log(json.dumps(dict(meta=meta, n_results=len(RESULTS), failures=failures)))
+  return 1 if args.smoke and failures else 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -1,4 +1,4 @@
-"""The `jaxdecode` command line: generate, chat, bench, loop-report and rdu (the modeled SN40L).
+"""The `jaxdecode` command line: generate, chat, bench, loop-report, rdu (the modeled SN40L) and tune.
 
 Bad input exits with code 2 and one line on stderr.
 """
@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--contexts", default=None,
                        help="comma-separated tokens already in the cache, e.g. 1k,8k (default 1024)")
     suite.add_argument("--peers", default=None,
-                       help="comma-separated from unrolled,scan,hf_eager,hf_static, or none (default: all)")
+                       help="comma-separated from unrolled,scan,hf_eager,hf_static, or none (default: all); "
+                            "NAME@BxC[+BxC] runs a peer at those (batch, context)s only, e.g. hf_static@1x1k")
     suite.add_argument("--steps", type=int, default=64, help="decode steps timed per row (default 64)")
     suite.add_argument("--seed", type=int, default=0)
     suite.add_argument("--budget-s", type=float, default=None,
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rdu.cli import add_parser as add_rdu_parser  # the CLI is the one place where the packages meet
 
     add_rdu_parser(sub)
+    from kernels.tune import add_parser as add_tune_parser
+
+    add_tune_parser(sub)
     return parser
 
 
@@ -196,8 +200,14 @@ def cmd_rdu(args) -> int:
     return run(args)
 
 
+def cmd_tune(args) -> int:
+    from kernels.tune import run
+
+    return run(args)
+
+
 _COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "loop-report": cmd_loop_report,
-             "rdu": cmd_rdu}
+             "rdu": cmd_rdu, "tune": cmd_tune}
 
 if __name__ == "__main__":
     sys.exit(main())

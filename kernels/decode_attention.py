@@ -10,7 +10,9 @@ the synchronized kernel (online softmax, the FlashDecoding scheme), so the resul
 Only the (sequence, kv head) programs that hold a flagged row do work in the second launch.
 
 Layout: q [B, T, N, H], cache k/v [B, S, K, H], lengths [B] = valid cache entries, the T new tokens
-included (query t sits at position lengths-T+t and sees positions <= its own). Rows of one program
+included (query t sits at position lengths-T+t and sees positions <= its own). Any S works: the
+wrapper pads S up to a multiple of splits·block_k (only when it is not one already) and the padded
+positions are masked by length like every position past `lengths`. Rows of one program
 are the T·G query rows that share one kv head, r = t·G + g, padded to a power of two >= 16.
 
 What runs where: both kernels are `pl.pallas_call` kernels. On the GPU they lower through
@@ -172,24 +174,37 @@ def _sync_kernel(
 # pallas_call wrapper
 
 
-def _num_splits(batch: int, kv_heads: int, cache_len: int, cfg: BlockSizes) -> int:
-  if cache_len % cfg.block_k:
-    raise ValueError(f"{cache_len=} must be a multiple of {cfg.block_k=}")
-  blocks = cache_len // cfg.block_k
+def _layout(batch: int, kv_heads: int, cache_len: int, cfg: BlockSizes) -> tuple[int, int]:
+  """(splits, padded S). S is padded up to a multiple of splits·block_k; the pad is masked by
+  length like any position past `lengths`. An aligned S (the usual, preallocated cache) is not
+  padded, so the cache is never copied there."""
+  blocks = -(-cache_len // cfg.block_k)
   if cfg.num_splits is not None:
-    if blocks % cfg.num_splits:
-      raise ValueError(f"{cfg.num_splits=} must divide {blocks} blocks of {cfg.block_k}")
-    return cfg.num_splits
-  want = max(1, -(-cfg.target_programs // (batch * kv_heads)))
-  return max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= want)
+    splits = cfg.num_splits
+  else:
+    want = max(1, -(-cfg.target_programs // (batch * kv_heads)))
+    splits = max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= want)
+  return splits, splits * cfg.block_k * -(-blocks // splits)
+
+
+def _pad_cache(k, v, cfg: BlockSizes):
+  """k, v [B, S, K, H] -> [B, S_pad, K, H] (a copy only when S is not already aligned)."""
+  batch, cache_len, kv_heads, _ = k.shape
+  _, padded = _layout(batch, kv_heads, cache_len, cfg)
+  pad = ((0, 0), (0, padded - cache_len), (0, 0), (0, 0))
+  return (k, v) if padded == cache_len else (jnp.pad(k, pad), jnp.pad(v, pad))
 
 
 def _attention_call(kernel, scalars, q, k, v, *, num_out: int, sm_scale, group, tokens, cfg,
-                    interpret):
-  """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs."""
+                    interpret, poison):
+  """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs.
+
+  k, v come padded by `_pad_cache`. poison=True hands the kernel NaN-filled output buffers
+  (aliased inputs), so a partial the kernel fails to write shows up as NaN.
+  """
   batch, kv_heads, rows, head_dim = q.shape  # [B, K, R, H]
-  cache_len = k.shape[1]  # k: [B, S, K, H]
-  splits = _num_splits(batch, kv_heads, cache_len, cfg)
+  cache_len = k.shape[1]  # k: [B, S_pad, K, H]
+  splits, _ = _layout(batch, kv_heads, cache_len, cfg)
   split_len = cache_len // splits
   per_seq = pl.BlockSpec((None,), lambda b, h, s: (b,))  # [B] -> []
   per_head = pl.BlockSpec((None, None), lambda b, h, s: (b, h))  # [B, K] -> []
@@ -204,18 +219,27 @@ def _attention_call(kernel, scalars, q, k, v, *, num_out: int, sm_scale, group, 
   for _ in range(num_out - 1):
     out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
+  body = functools.partial(kernel, sm_scale=sm_scale, block_k=cfg.block_k, group=group,
+                           tokens=tokens)
+  inputs = [*scalars, q, k, v]
+  n_in = len(inputs)
+  if poison:
+    inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+    in_specs += out_specs
+    unpoisoned = body
+    body = lambda *refs: unpoisoned(*refs[:n_in], *refs[n_in + num_out:])  # drop aliased inputs
   return pl.pallas_call(
-      functools.partial(kernel, sm_scale=sm_scale, block_k=cfg.block_k, group=group,
-                        tokens=tokens),
+      body,
       out_shape=out_shape,
       grid=(batch, kv_heads, splits),
       in_specs=in_specs,
       out_specs=out_specs,
+      input_output_aliases={n_in + i: i for i in range(num_out)} if poison else {},
       compiler_params=None if interpret else pltriton.CompilerParams(
           num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name=kernel.__name__.strip("_"),
-  )(*scalars, q, k, v)
+  )(*inputs)
 
 
 def _to_rows(q, kv_heads: int):
@@ -236,10 +260,11 @@ def _from_rows(x, tokens: int, group: int):
   return x.reshape(batch, tokens, kv_heads * group, *x.shape[4:])  # [B, T, N, ...]
 
 
-def _sync_partials(q_rows, k, v, lengths, active, *, sm_scale, group, tokens, cfg, interpret):
+def _sync_partials(q_rows, k, v, lengths, active, *, sm_scale, group, tokens, cfg, interpret,
+                   poison):
   acc, l, m = _attention_call(
       _sync_kernel, (lengths, active), q_rows, k, v, num_out=3, sm_scale=sm_scale, group=group,
-      tokens=tokens, cfg=cfg, interpret=interpret)
+      tokens=tokens, cfg=cfg, interpret=interpret, poison=poison)
   m_all = m.max(axis=2, keepdims=True)  # [B, K, 1, R]
   correction = jnp.exp(m - m_all)  # [B, K, splits, R]
   l = (correction * l).sum(axis=2)  # [B, K, R]
@@ -262,7 +287,7 @@ def _check(q, k, v, lengths):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "window", "block_sizes", "recompute",
-                                             "interpret"))
+                                             "interpret", "poison"))
 def decode_attention_async(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H]
@@ -275,8 +300,12 @@ def decode_attention_async(
     block_sizes: BlockSizes = BlockSizes(),
     recompute: bool = True,
     interpret: bool = False,
+    poison: bool = False,
 ) -> tuple[jax.Array, AsyncInfo]:
   """Decode attention with one unified max φ; rows outside the window are recomputed.
+
+  Any S works: an S that is not a multiple of splits·block_k is padded (one copy of the cache) and
+  masked by length. poison=True (tests) runs the kernels on NaN-filled output buffers.
 
   Equivalent to the following JAX code (ignoring the returned AsyncInfo):
 
@@ -292,7 +321,9 @@ def decode_attention_async(
   lengths = lengths.astype(jnp.int32)
   phi_b = jnp.broadcast_to(jnp.asarray(phi, jnp.float32), (batch,))  # [B]
   q_rows = _to_rows(q, kv_heads)  # [B, K, R, H]
-  kw = dict(sm_scale=sm_scale, group=group, tokens=tokens, cfg=block_sizes, interpret=interpret)
+  k, v = _pad_cache(k, v, block_sizes)  # [B, S_pad, K, H]
+  kw = dict(sm_scale=sm_scale, group=group, tokens=tokens, cfg=block_sizes, interpret=interpret,
+            poison=poison)
   acc, l = _attention_call(_async_kernel, (lengths, phi_b), q_rows, k, v, num_out=2, **kw)
   l = l.sum(axis=2)  # [B, K, R]: the one final reduction
   o = acc.sum(axis=2) / l[..., None]  # [B, K, R, H]
@@ -309,7 +340,7 @@ def decode_attention_async(
   return _from_rows(o, tokens, group).astype(q.dtype), info
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "poison"))
 def decode_attention_sync(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H]
@@ -319,8 +350,11 @@ def decode_attention_sync(
     sm_scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
+    poison: bool = False,
 ) -> jax.Array:
   """Split-K decode attention with the synchronized (online, running-max) softmax.
+
+  Any S works (padded and masked as in `decode_attention_async`); poison as there.
 
   Equivalent to the following JAX code:
 
@@ -334,9 +368,11 @@ def decode_attention_sync(
   group = heads // kv_heads
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   q_rows = _to_rows(q, kv_heads)  # [B, K, R, H]
+  k, v = _pad_cache(k, v, block_sizes)  # [B, S_pad, K, H]
   active = jnp.ones((batch, kv_heads), jnp.int32)
   o, _ = _sync_partials(q_rows, k, v, lengths.astype(jnp.int32), active, sm_scale=sm_scale,
-                        group=group, tokens=tokens, cfg=block_sizes, interpret=interpret)
+                        group=group, tokens=tokens, cfg=block_sizes, interpret=interpret,
+                        poison=poison)
   return _from_rows(o, tokens, group).astype(q.dtype)
 
 

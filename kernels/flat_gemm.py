@@ -149,7 +149,7 @@ def _triton_kernel(
 # Kernel wrappers: both return partial sums [splits, n_w, N, M_pad] f32
 
 
-def _mosaic_call(layer, x, ws, cfg: BlockSizes, interpret: bool):
+def _mosaic_call(layer, x, ws, cfg: BlockSizes, interpret: bool, poison: bool):
   m, k = x.shape  # x [M, K]
   n = ws[0].shape[2]  # ws [L, K, N]
   m8 = -(-m // 8) * 8
@@ -157,6 +157,9 @@ def _mosaic_call(layer, x, ws, cfg: BlockSizes, interpret: bool):
     raise ValueError(f"the mosaic flat GEMM takes M <= 256 (wgmma N), got {m=}")
   if n % cfg.tile_n or k % cfg.tile_k:
     raise ValueError(f"{n=} / {k=} must be multiples of {cfg.tile_n=} / {cfg.tile_k=}")
+  if poison and not interpret:
+    raise ValueError("poison needs interpret mode for the mosaic kernel: plgpu.kernel takes no "
+                     "input_output_aliases in jax 0.11")
   splits = _k_splits(n, k, cfg)
   x = jnp.pad(x, ((0, m8 - m), (0, 0)))  # [M8, K]
   per_stage = 2 * cfg.tile_k * (m8 + len(ws) * cfg.tile_n)  # bf16 x tile + weight tiles
@@ -169,11 +172,12 @@ def _mosaic_call(layer, x, ws, cfg: BlockSizes, interpret: bool):
       out_type=jax.ShapeDtypeStruct((splits, len(ws), n, m8), jnp.float32),
       grid=(n // cfg.tile_n, splits),
       grid_names=("n", "k"),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      # The interpreter's GMEM outputs start as NaN: with poison, every unwritten element shows.
+      interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
   )(layer.reshape(1), x, *ws)
 
 
-def _triton_call(layer, x, ws, cfg: BlockSizes, interpret: bool, gemv: bool):
+def _triton_call(layer, x, ws, cfg: BlockSizes, interpret: bool, gemv: bool, poison: bool):
   m, k = x.shape  # x [M, K]
   num_layers, _, n = ws[0].shape  # ws [L, K, N]
   m_pad = 1 if gemv else max(16, pl.next_power_of_2(m))
@@ -184,21 +188,32 @@ def _triton_call(layer, x, ws, cfg: BlockSizes, interpret: bool, gemv: bool):
   splits = _k_splits(n, k, cfg)
   k_len = k // splits
   x = jnp.pad(x, ((0, m_pad - m), (0, 0)))  # [Mp, K]
+  out_shape = jax.ShapeDtypeStruct((splits, len(ws), m_pad, n), jnp.float32)
+  out_spec = pl.BlockSpec((None, len(ws), m_pad, cfg.tile_n), lambda j, s: (s, 0, 0, j))
+  in_specs = [pl.BlockSpec((None,), lambda j, s: (0,)),
+              pl.BlockSpec((m_pad, k_len), lambda j, s: (0, s))]
+  in_specs += [pl.BlockSpec((num_layers, k_len, cfg.tile_n), lambda j, s: (0, s, j))] * len(ws)
+  inputs = [layer.reshape(1), x, *ws]
+  body = functools.partial(_triton_kernel, tile_k=cfg.tile_k, gemv=gemv)
+  if poison:  # a NaN-filled output buffer, aliased in: unwritten tiles stay NaN
+    inputs.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+    in_specs.append(out_spec)
+    unpoisoned = body
+    body = lambda *refs: unpoisoned(*refs[:-2], refs[-1])  # drop the aliased input ref
   out = pl.pallas_call(
-      functools.partial(_triton_kernel, tile_k=cfg.tile_k, gemv=gemv),
-      out_shape=jax.ShapeDtypeStruct((splits, len(ws), m_pad, n), jnp.float32),
+      body,
+      out_shape=out_shape,
       grid=(n // cfg.tile_n, splits),
-      in_specs=[pl.BlockSpec((None,), lambda j, s: (0,)),
-                pl.BlockSpec((m_pad, k_len), lambda j, s: (0, s))]
-      + [pl.BlockSpec((num_layers, k_len, cfg.tile_n), lambda j, s: (0, s, j))] * len(ws),
-      out_specs=pl.BlockSpec((None, len(ws), m_pad, cfg.tile_n), lambda j, s: (s, 0, 0, j)),
+      in_specs=in_specs,
+      out_specs=out_spec,
+      input_output_aliases={len(inputs) - 1: 0} if poison else {},
       compiler_params=None if interpret else pltriton.CompilerParams(
           num_warps=cfg.num_warps,
           num_stages=_stages(2 * cfg.tile_k * (m_pad + len(ws) * cfg.tile_n), cfg,
                              cfg.num_stages)),
       interpret=interpret,
       name="flat_gemm_triton",
-  )(layer.reshape(1), x, *ws)
+  )(*inputs)
   return out.transpose(0, 1, 3, 2)  # [splits, n_w, N, Mp]
 
 
@@ -211,11 +226,11 @@ def _stacked(w, layer):
   return w, jnp.asarray(layer, jnp.int32)
 
 
-def _partials(x, ws, layer, impl, cfg, interpret):
+def _partials(x, ws, layer, impl, cfg, interpret, poison):
   if impl == "mosaic":
-    return _mosaic_call(layer, x, ws, cfg, interpret)
+    return _mosaic_call(layer, x, ws, cfg, interpret, poison)
   if impl in ("triton", "gemv"):
-    return _triton_call(layer, x, ws, cfg, interpret, gemv=impl == "gemv")
+    return _triton_call(layer, x, ws, cfg, interpret, gemv=impl == "gemv", poison=poison)
   raise ValueError(f"unknown impl {impl!r}")
 
 
@@ -223,7 +238,7 @@ def _partials(x, ws, layer, impl, cfg, interpret):
 # Public ops
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("impl", "block_sizes", "interpret", "poison"))
 def flat_gemm(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [L, K, N] or [K, N]
@@ -233,8 +248,12 @@ def flat_gemm(
     impl: str = "mosaic",
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
+    poison: bool = False,
 ) -> jax.Array:
   """Small-M matmul against one layer of a stacked weight, read in place.
+
+  impl: "mosaic" | "triton" | "gemv" (M = 1) | "xla"; `kernels.dispatch.choose_gemm` picks one.
+  poison=True (tests) runs the kernel on a NaN-filled output buffer (mosaic: interpret mode only).
 
   Equivalent to the following JAX code:
 
@@ -246,14 +265,14 @@ def flat_gemm(
   w, layer = _stacked(w, layer)
   if impl == "xla":
     return flat_gemm_reference(x, w, layer, residual)
-  y = _partials(x, (w,), layer, impl, block_sizes, interpret)  # [splits, 1, N, Mp]
+  y = _partials(x, (w,), layer, impl, block_sizes, interpret, poison)  # [splits, 1, N, Mp]
   y = y.sum(axis=(0, 1))[:, :m].T  # [M, N]
   if residual is not None:
     y = y + residual.astype(jnp.float32)
   return y.astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("impl", "block_sizes", "interpret", "poison"))
 def flat_gemm_swiglu(
     x: jax.Array,  # [M, D]
     w_gate: jax.Array,  # [L, D, F] or [D, F]
@@ -263,6 +282,7 @@ def flat_gemm_swiglu(
     impl: str = "mosaic",
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
+    poison: bool = False,
 ) -> jax.Array:
   """The SwiGLU half of an MLP in one kernel: x is read once for both weights.
 
@@ -279,7 +299,7 @@ def flat_gemm_swiglu(
     return flat_gemm_swiglu_reference(x, w_gate, w_up, layer)
   if impl == "gemv":
     raise ValueError("flat_gemm_swiglu has no gemv path")
-  gu = _partials(x, (w_gate, w_up), layer, impl, block_sizes, interpret).sum(axis=0)
+  gu = _partials(x, (w_gate, w_up), layer, impl, block_sizes, interpret, poison).sum(axis=0)
   g, u = gu[0, :, :m].T, gu[1, :, :m].T  # [M, F] each
   return (jax.nn.silu(g) * u).astype(x.dtype)
 

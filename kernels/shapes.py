@@ -114,7 +114,8 @@ CATALOG: dict[str, DecodeShapes] = {
 # The long-context point of h200-anchors.md.
 CATALOG["llama3_8b_b1_s32768_decode"] = decode_shapes(MODELS["llama3_8b"], 1, 32768)
 
-# Small shapes for interpret-mode tests on the CPU: GQA groups of 1, 3 and 4, ragged lengths.
+# Small shapes for interpret-mode tests on the CPU: GQA groups 1, 3, 4 and 8, head dims 64 and 128,
+# batch up to 64, T > 1, and cache lengths that are not multiples of the block (the wrapper pads S).
 TEST_ATTENTION: dict[str, AttentionShape] = {
     s.name: s
     for s in (
@@ -122,14 +123,22 @@ TEST_ATTENTION: dict[str, AttentionShape] = {
         AttentionShape("tiny_gqa3_b3_s128", 3, 1, 9, 3, 64, 128),  # SmolLM2's group
         AttentionShape("tiny_mha_b1_s128", 1, 1, 2, 2, 64, 128),
         AttentionShape("tiny_gqa4_t3_b2_s128", 2, 3, 8, 2, 64, 128),  # T > 1 (causal rows)
+        AttentionShape("tiny_gqa8_b2_s1_h128", 2, 1, 8, 1, 128, 1),  # one cache entry
+        AttentionShape("tiny_gqa4_b3_s63_h128", 3, 1, 8, 2, 128, 63),  # one short of a block
+        AttentionShape("tiny_mha_b2_s65", 2, 1, 2, 2, 64, 65),  # one past a block
+        AttentionShape("tiny_gqa8_b2_s200_h128", 2, 1, 16, 2, 128, 200),  # Llama-3's group
+        AttentionShape("tiny_gqa4_b64_s40", 64, 1, 4, 1, 64, 40),  # large batch, small S
     )
 }
 TEST_GEMM: dict[str, GemmShape] = {
     s.name: s
     for s in (
         GemmShape("tiny_m1_k256_n128", 1, 256, 128, 3, "gemv"),
+        GemmShape("tiny_m2_k256_n64", 2, 256, 64, 2, "m2"),
         GemmShape("tiny_m5_k256_n192", 5, 256, 192, 2, "odd_m"),
         GemmShape("tiny_m8_k512_n128", 8, 512, 128, 4, "m8"),
         GemmShape("tiny_m19_k256_n128", 19, 256, 128, 2, "m_not_8"),
+        GemmShape("tiny_m64_k256_n64", 64, 256, 64, 2, "m64"),
+        GemmShape("tiny_m128_k256_n64", 128, 256, 64, 2, "m128"),
     )
 }

@@ -72,7 +72,7 @@ def test_real_process_prints_no_traceback():
 
 
 def test_help_on_every_command():
-    for cmd in ([], ["generate"], ["chat"], ["bench"], ["loop-report"]):
+    for cmd in ([], ["generate"], ["chat"], ["bench"], ["loop-report"], ["rdu"], ["tune"]):
         proc = subprocess.run([sys.executable, "-m", "jaxdecode.cli", *cmd, "--help"], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 0 and "usage: jaxdecode" in proc.stdout

@@ -1,10 +1,11 @@
-"""kernels/dispatch.py (the lookup rule) and kernels/shapes.py (the shape catalog)."""
+"""kernels/dispatch.py (table lookup, shipped H200 table) and kernels/shapes.py (the catalog)."""
 
 import dataclasses
+import json
 
 import pytest
 
-from kernels import dispatch
+from kernels import dispatch, tune
 from kernels.shapes import CATALOG, MODELS, TEST_ATTENTION, TEST_GEMM
 
 
@@ -15,7 +16,13 @@ class FakeDevice:
 
 
 H200 = FakeDevice("gpu", "NVIDIA H200")
-POINTS = dispatch.GEMM_TABLE["H200"]
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (14336, 4096), (4096, 14336)]  # [N, K]
+
+
+def test_normalized_names():
+  assert dispatch.normalize_gpu_name("NVIDIA H200") == "h200"
+  assert dispatch.normalize_gpu_name("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+  assert dispatch.normalize_gpu_name("NVIDIA A100-SXM4-80GB") == "a100_sxm4_80gb"
 
 
 def test_cpu_falls_back_to_xla():
@@ -24,50 +31,76 @@ def test_cpu_falls_back_to_xla():
   assert dispatch.choose_attention(device=cpu).impl == "xla"
 
 
-def test_non_hopper_gpu_falls_back_to_xla():
+def test_gpu_without_table_falls_back_to_xla_and_says_why():
   a100 = FakeDevice("gpu", "NVIDIA A100-SXM4-80GB")
-  choice = dispatch.choose_gemm(8, 4096, 4096, device=a100)
-  assert choice.impl == "xla" and "A100" in choice.reason
+  choice = dispatch.choose_gemm(8, 4096, 4096, looped=True, device=a100)
+  assert choice.impl == "xla" and "a100_sxm4_80gb.json" in choice.reason
+  assert "tune" in choice.reason
+  assert dispatch.choose_attention(device=a100).impl == "xla"
 
 
-@pytest.mark.parametrize("looped", [False, True])
-def test_inflection_points_split_m_into_three_ranges(looped):
-  m2 = POINTS.looped_m2 if looped else POINTS.m2
-  for m in range(1, 300):
-    impl = dispatch.choose_gemm(m, 14336, 4096, looped=looped, device=H200).impl
-    if m < min(POINTS.m1, m2):
-      assert impl == POINTS.gemv_impl, m
-    elif m < m2 and m <= 256:
-      assert impl == POINTS.flat_impl, m
-    else:
-      assert impl == "xla", m
+def test_shipped_h200_table_is_consistent_with_its_timings():
+  """The shipped table's points are what tune's rule gives for the timings stored next to them."""
+  table, where = dispatch.table_for(H200)
+  assert where == "kernels/tables/h200.json" and table.device_kind == "NVIDIA H200"
+  raw = json.loads((dispatch.TABLES_DIR / "h200.json").read_text())
+  assert "KERNELS_RESULTS.md" in raw["source"] and "2026-11-30" in raw["source"]
+  for e in raw["gemm"]:
+    timings = {i: {int(m): us for m, us in t.items()} for i, t in e["timings_us"].items()}
+    assert tune.inflection_points(timings, raw["ms"], raw["margin"]) == dict(
+        m1=e["m1"], m2=e["m2"], flat_impl=e["flat_impl"]), e["op"]
+  assert tune.pick_attention(raw["attention"]["timings_us"]) == table.attention_impl
 
 
-def test_rule_with_three_nonempty_ranges(monkeypatch):
-  table = dict(dispatch.GEMM_TABLE)
-  table["H200"] = dispatch.GemmPoints(m1=2, m2=16, gemv_impl="gemv", flat_impl="mosaic",
-                                      looped_m2=257, source="test")
-  monkeypatch.setattr(dispatch, "GEMM_TABLE", table)
-  impls = [dispatch.choose_gemm(m, 4096, 4096, device=H200).impl for m in (1, 2, 15, 16)]
-  assert impls == ["gemv", "mosaic", "mosaic", "xla"]
-
-
-def test_looped_keeps_the_kernel_longer():
-  m = POINTS.m2
-  assert dispatch.choose_gemm(m, 4096, 4096, device=H200).impl == "xla"
-  looped = dispatch.choose_gemm(m, 4096, 4096, looped=True, device=H200)
-  assert looped.impl == POINTS.flat_impl and "copy" in looped.reason
-  assert dispatch.choose_gemm(257, 4096, 4096, looped=True, device=H200).impl == "xla"
+def test_h200_choices_follow_the_measurements():
+  # Called once per step, XLA's dot beat every kernel at M = 1 on all four shapes: M2 = 1.
+  for n, k in LLAMA:
+    for m in (1, 2, 8, 64, 128):
+      assert dispatch.choose_gemm(m, n, k, device=H200).impl == "xla", (m, n, k)
+  # Looped over 32 stacked layers: gemv 504 µs < triton 534 < mosaic 627 < scan 1062 at M = 1 on
+  # [4096, 4096]; mosaic 1227 < gemv 1394 on [14336, 4096]; the kernels beat the scan at M = 8.
+  looped = lambda m, n, k: dispatch.choose_gemm(m, n, k, looped=True, device=H200)
+  assert looped(1, 4096, 4096).impl == "gemv"
+  assert looped(2, 4096, 4096).impl == "mosaic"
+  assert looped(1, 14336, 4096).impl == "mosaic"
+  assert looped(128, 14336, 4096).impl == "mosaic"
+  assert looped(300, 14336, 4096).impl == "xla"  # past the Mosaic kernel's M limit
+  nearest = looped(1, 28672, 4096)  # gate+up was not measured looped: nearest is [14336, 4096]
+  assert nearest.impl == "mosaic" and "nearest profiled [N, K]=[14336, 4096]" in nearest.reason
+  assert dispatch.choose_attention(device=H200).impl == "sync"
 
 
 def test_untiled_shape_goes_to_xla_with_reason():
-  choice = dispatch.choose_gemm(8, 4100, 4096, device=H200)
+  choice = dispatch.choose_gemm(8, 4100, 4096, looped=True, device=H200)
   assert choice.impl == "xla" and "tile_n" in choice.reason
 
 
-def test_every_choice_has_a_reason():
-  assert dispatch.choose_gemm(POINTS.m1, 4096, 4096, device=H200).reason
+def test_env_table_overrides_the_shipped_one(tmp_path, monkeypatch):
+  path = tmp_path / "mine.json"
+  path.write_text(json.dumps(dict(device_kind="NVIDIA H200", source="test", gemm=[dict(
+      op="o", form="plain", n=4096, k=4096, m1=1, m2=16, flat_impl="triton")],
+      attention=dict(impl="async"))))
+  monkeypatch.setenv(dispatch.TABLE_ENV, str(path))
+  choice = dispatch.choose_gemm(8, 4096, 4096, device=H200)
+  assert choice.impl == "triton" and str(path) in choice.reason
+  assert dispatch.choose_gemm(16, 4096, 4096, device=H200).impl == "xla"
+  assert dispatch.choose_gemm(8, 4096, 4096, looped=True, device=H200).impl == "xla"  # no entry
   assert dispatch.choose_attention(device=H200).impl == "async"
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(gemm=[]), "device_kind"),
+    (dict(device_kind="x", source="s", gemm=[dict(op="o", form="unrolled", n=1, k=1, m1=1,
+                                                  m2=None, flat_impl="mosaic")]), "form"),
+    (dict(device_kind="x", source="s", gemm=[dict(op="o", form="plain", n=1, k=1, m1=4, m2=2,
+                                                  flat_impl="mosaic")]), "m1 <= m2"),
+    (dict(device_kind="x", source="s", gemm=[dict(op="o", form="plain", n=1, k=1, m1=1, m2=2,
+                                                  flat_impl="cublas")]), "impl"),
+    (dict(device_kind="x", source="s", gemm=[], attention=dict(impl="flash")), "attention"),
+])
+def test_malformed_table_raises(bad, match):
+  with pytest.raises(ValueError, match=match):
+    dispatch.parse_table(bad)
 
 
 @pytest.mark.parametrize("name,n_qkv,ffn", [("llama3_8b", 6144, 14336), ("qwen25_7b", 4608, 18944),
@@ -84,7 +117,10 @@ def test_catalog_shapes(name, n_qkv, ffn):
 
 def test_catalog_names_and_bytes():
   assert len(CATALOG) == 3 * 3 * 2 + 1
-  a = CATALOG["llama3_8b_b1_s4096_decode".replace("4096", "8192")].attention
+  a = CATALOG["llama3_8b_b1_s8192_decode"].attention
   assert a.kv_bytes == 2 * 2 * 8192 * 8 * 128  # K and V, bf16
-  assert all(s.cache_len % 32 == 0 for s in TEST_ATTENTION.values())
-  assert any(s.m % 8 for s in TEST_GEMM.values())
+  grid = TEST_ATTENTION.values()
+  assert {s.num_heads // s.num_kv_heads for s in grid} >= {1, 4, 8}
+  assert {s.head_dim for s in grid} == {64, 128} and max(s.batch for s in grid) == 64
+  assert {1, 63, 65, 200} <= {s.cache_len for s in grid}  # not multiples of any block
+  assert {1, 128} <= {s.m for s in TEST_GEMM.values()} and any(s.m % 8 for s in TEST_GEMM.values())

@@ -4,6 +4,11 @@ The Mosaic GPU kernel runs on the CPU through Mosaic GPU's own interpreter
 (`plgpu.InterpretGPUParams`: shared memory, TMA, barriers, wgmma); the Triton-flavoured kernel
 through Pallas' HLO interpreter. tests/conftest.py pins JAX to the CPU; on a GPU machine run with
 JAX_PLATFORMS=cuda,cpu (the interpret-mode subclass needs the CPU device for its callbacks).
+
+Grid (kernels.shapes.TEST_GEMM): M = 1, 2, 5, 8, 19, 64, 128, stacked and unstacked weights, split K.
+Kernels run with poisoned (NaN-filled) output buffers, so an element they skip fails the comparison:
+aliased into the Triton kernel, the interpreter's NaN-initialized GMEM for the Mosaic one (compiled
+Mosaic cannot alias an output in jax 0.11, so the compiled class checks it unpoisoned).
 """
 
 import jax
@@ -11,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels import dispatch
 from kernels import flat_gemm as fg
 from kernels.shapes import TEST_GEMM
 
@@ -54,12 +60,16 @@ class TestFlatGemm:
     if not self.INTERPRET and not ON_HOPPER:
       pytest.skip("compiled Mosaic GPU kernels need a Hopper GPU")
 
+  def _poison(self, impl):
+    return self.INTERPRET or impl != "mosaic"
+
   @pytest.mark.parametrize("name,impl", CASES, ids=[f"{n}-{i}" for n, i in CASES])
   def test_stacked_layer_matches_reference(self, name, impl):
     shape = TEST_GEMM[name]
     x, w, _, r = _inputs(shape)
     layer = jnp.int32(shape.layers - 1)  # traced: the op is jitted with layer as an argument
-    out = fg.flat_gemm(x, w, layer, r, impl=impl, block_sizes=BLOCKS, interpret=self.INTERPRET)
+    out = fg.flat_gemm(x, w, layer, r, impl=impl, block_sizes=BLOCKS, interpret=self.INTERPRET,
+                       poison=self._poison(impl))
     _close(out, fg.flat_gemm_reference(x, w, layer, r))
 
   @pytest.mark.parametrize("impl", ["mosaic", "triton"])
@@ -67,15 +77,29 @@ class TestFlatGemm:
     shape = TEST_GEMM["tiny_m5_k256_n192"]
     x, wg, wu, _ = _inputs(shape, seed=1)
     out = fg.flat_gemm_swiglu(x, wg, wu, 1, impl=impl, block_sizes=BLOCKS,
-                              interpret=self.INTERPRET)
+                              interpret=self.INTERPRET, poison=self._poison(impl))
     _close(out, fg.flat_gemm_swiglu_reference(x, wg, wu, 1))
 
   def test_unstacked_weight_and_k_splits(self):
     shape = TEST_GEMM["tiny_m8_k512_n128"]
     x, w, _, _ = _inputs(shape, seed=2)
     cfg = fg.BlockSizes(tile_n=64, tile_k=128, max_concurrent_steps=2, k_splits=2)
-    out = fg.flat_gemm(x, w[0], impl="mosaic", block_sizes=cfg, interpret=self.INTERPRET)
+    out = fg.flat_gemm(x, w[0], impl="mosaic", block_sizes=cfg, interpret=self.INTERPRET,
+                       poison=self.INTERPRET)
     _close(out, fg.flat_gemm_reference(x, w[0]))
+
+  @pytest.mark.parametrize("name", ["tiny_m1_k256_n128", "tiny_m8_k512_n128", "tiny_m128_k256_n64"])
+  def test_dispatched_impl_matches_reference(self, name):
+    """M = 1 → gemv, 8 → mosaic, 128 → XLA under a table with M1 = 2, M2 = 64 (tests/ synthetic)."""
+    shape = TEST_GEMM[name]
+    x, w, _, r = _inputs(shape, seed=4)
+    table = dispatch.parse_table(dict(device_kind="test", source="test", gemm=[dict(
+        op="t", form="plain", n=shape.n, k=shape.k, m1=2, m2=64, flat_impl="mosaic")]))
+    choice = dispatch.choose_gemm(shape.m, shape.n, shape.k, table=table, block_sizes=BLOCKS)
+    assert choice.impl == {1: "gemv", 8: "mosaic", 128: "xla"}[shape.m], choice
+    out = fg.flat_gemm(x, w, 1, r, impl=choice.impl, block_sizes=BLOCKS, interpret=self.INTERPRET,
+                       poison=self._poison(choice.impl))
+    _close(out, fg.flat_gemm_reference(x, w, 1, r))
 
   def test_loop_over_layers_reads_each_layer(self):
     shape = TEST_GEMM["tiny_m8_k512_n128"]
@@ -101,6 +125,13 @@ def test_xla_impl_is_the_reference():
                                 fg.flat_gemm_reference(x, w, 1, r))
   np.testing.assert_array_equal(fg.flat_gemm_swiglu(x, w, w2, 0, impl="xla"),
                                 fg.flat_gemm_swiglu_reference(x, w, w2, 0))
+
+
+def test_poison_needs_interpret_for_mosaic():
+  shape = TEST_GEMM["tiny_m5_k256_n192"]
+  x, w, _, _ = _inputs(shape)
+  with pytest.raises(ValueError, match="poison"):
+    fg.flat_gemm(x, w, 0, impl="mosaic", block_sizes=BLOCKS, poison=True)
 
 
 @pytest.mark.parametrize("bad", ["stacked_without_layer", "n_not_tiled", "gemv_m2", "m_too_big"])
