@@ -11,14 +11,17 @@ prefill + decode) and a second identical call, and reads the optimized HLO of on
 - cache copies: `dynamic-slice` results the size of one layer's K or V cache;
 - custom calls: kernel launches per step (the Mosaic GPU GEMMs appear as custom calls).
 The HBM read ceiling is measured in the same run (a sum over a 4 GiB bf16 array). With `--hf`,
-HF transformers (eager, then static cache + torch.compile) run the same config with random
-weights at batch 1, while `--deadline-s` allows. Results are written after every row.
+HF transformers (eager, then static cache + torch.compile) run the same config on a copy of the
+same weights at batch 1, while `--deadline-s` allows; their rows time the decode steps only.
+Results are written after every row. `jaxdecode bench --suite gpu` is the broader comparison (more
+configs and contexts, the plain-JAX peers, a plot); this script adds the HLO copy counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.bench import measure_decode
+from jaxdecode.bench import measure_decode, read_ceiling_gb_s
 from jaxdecode.config import get_preset
 from jaxdecode.cost import decode_cost
 from jaxdecode.decode import Engine
@@ -35,17 +38,6 @@ from jaxdecode.model import init_random
 VARIANTS = {"unrolled": dict(loop_layers=False), "looped_copy": dict(loop_mode="slice"),
             "looped_inplace": dict(loop_mode="inplace")}
 _DS = re.compile(r"= (bf16|f32|f16)\[([\d,]*)\]\{[^}]*\} (dynamic-slice|fusion)\(")
-
-
-def read_ceiling_gb_s(gib: int = 4, repeats: int = 10) -> float:
-    x = jnp.ones((gib * 2**30 // 2,), jnp.bfloat16)
-    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    total(x).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = total(x)
-    out.block_until_ready()
-    return x.nbytes * repeats / (time.perf_counter() - start) / 1e9
 
 
 def hlo_counts(engine: Engine, batch: int, cache_len: int, weight_bytes: int, cache_bytes: int) -> dict:
@@ -71,48 +63,25 @@ def hlo_counts(engine: Engine, batch: int, cache_len: int, weight_bytes: int, ca
             "custom_calls": len(re.findall(r" custom-call\(", hlo)), "custom_call_targets": customs}
 
 
-def hf_rows(cfg, new_tokens: int, prompt_len: int, deadline: float, moved: float, ceiling: float, on_row,
+def hf_rows(model, new_tokens: int, prompt_len: int, deadline: float, moved: float, ceiling: float, on_row,
             only_static: bool = False) -> None:
-    """HF transformers generate with random weights: eager, then a static cache, with which
-    `generate` compiles the forward itself (torch.compile, CUDA graphs)."""
-    import torch
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """HF transformers peers at batch 1 on a copy of our weights (`jaxdecode.bench_peers`): eager, then a
+    static cache with the forward compiled by HF (torch.compile, CUDA graphs); decode steps only."""
+    from jaxdecode import bench_peers
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
-    with torch.device(device):
-        model = LlamaForCausalLM(hf_cfg).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                  pad_token_id=0)
-
-    def timed(variant, **extra):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(prompt, **kwargs, **extra)
-        sync()
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(prompt, **kwargs, **extra)
-        sync()
-        total = time.perf_counter() - start
-        ms = total / new_tokens * 1e3  # prefill included: an upper bound on ms per decode step
-        on_row({"variant": variant, "batch": 1, "first_call_s": round(first, 2), "decode_ms_per_step": round(ms, 3),
-                     "decode_tok_s": round(1e3 / ms, 1), "pct_of_read_ceiling": round(100 * moved / (ms / 1e3) / 1e9 / ceiling, 1),
-                "note": f"torch {torch.__version__}, transformers {transformers.__version__}; whole generate / tokens"})
-
-    if not only_static:
-        timed("hf_eager")
-    if time.perf_counter() < deadline:
-        timed("hf_static_compile", cache_implementation="static")  # static cache: generate compiles
+    hf = bench_peers.build_hf(model)
+    prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, prompt_len))
+    for variant, compiled in (("hf_eager", False), ("hf_static_compile", True)):
+        if (only_static and not compiled) or (compiled and time.perf_counter() >= deadline):
+            continue
+        timing, extra = bench_peers.hf_runner(hf, compiled=compiled)(prompts, context=0, steps=new_tokens)
+        ms = timing.decode_s / timing.steps * 1e3
+        on_row({"variant": variant, "batch": 1, "first_call_s": round(timing.first_call_s, 2),
+                "prefill_ms": round(timing.prefill_s * 1e3, 2), "decode_ms_per_step": round(ms, 3),
+                "decode_tok_s": round(1e3 / ms, 1),
+                "pct_of_read_ceiling": round(100 * moved / (ms / 1e3) / 1e9 / ceiling, 1), "note": extra["note"]})
+    del hf
+    bench_peers.release_memory()
 
 
 def main() -> None:
@@ -128,6 +97,8 @@ def main() -> None:
     parser.add_argument("--hf-only-static", action="store_true", help="skip the eager HF row")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="skip optional work after this many seconds")
     args = parser.parse_args()
+    if args.hf:  # jax would take 75% of the GPU at its first allocation, leaving torch too little
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     t0 = time.perf_counter()
     cfg = get_preset(args.model)
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -171,10 +142,9 @@ def main() -> None:
             on_row(row)
             del engine
     if args.hf:
-        del model
         moved = decode_cost(cfg, batch=1, context=args.prompt_len + args.new_tokens // 2, itemsize=itemsize).bytes
         try:
-            hf_rows(cfg, args.new_tokens, args.prompt_len, t0 + args.deadline_s, moved, ceiling, on_row,
+            hf_rows(model, args.new_tokens, args.prompt_len, t0 + args.deadline_s, moved, ceiling, on_row,
                     args.hf_only_static)
         except Exception as e:  # a peer failing must not lose the rows above
             result["hf_error"] = f"{type(e).__name__}: {e}"[:500]

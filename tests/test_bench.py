@@ -1,0 +1,140 @@
+"""`jaxdecode bench` in suite mode on the CPU: the JSON rows are consistent, the plot is an image, and
+the peers compute what our engine computes (HF eager gives the same greedy tokens from the same weights)."""
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hf_reference import hf_model, state_dict_numpy
+from jaxdecode import bench_peers
+from jaxdecode.bench import cache_length, time_engine
+from jaxdecode.cli import main
+from jaxdecode.config import PRESETS
+from jaxdecode.cost import decode_cost
+from jaxdecode.decode import Engine
+from jaxdecode.model import init_random, load_state_dict
+
+BATCHES, CONTEXT, PROMPT, STEPS = (1, 2), 32, 16, 8
+SYSTEMS = ("ours", "unrolled", "scan", "hf_eager")
+REL = 1e-9  # the derived numbers are computed from the raw ones in float64
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--models", "tiny-gqa", "--batches", ",".join(map(str, BATCHES)), "--contexts", str(CONTEXT),
+            "--peers", "unrolled,scan,hf_eager", "--steps", str(STEPS), "--out", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    lines = (out / "bench.jsonl").read_text().splitlines()
+    assert stdout.getvalue().splitlines() == lines  # stdout carries the same JSON lines, the summary last
+    objs = [json.loads(line) for line in lines]
+    return out, objs[:-1], objs[-1]
+
+
+def test_rows_cover_every_system_and_config(suite):
+    _, rows, summary = suite
+    assert sorted((r["system"], r["batch"]) for r in rows) == sorted((s, b) for s in SYSTEMS for b in BATCHES)
+    assert summary["summary"] is True and summary["rows"] == len(rows) and not summary["errors"]
+    assert not summary["skipped"]
+    for r in rows:
+        assert {"model", "system", "batch", "context", "ms_per_token", "tok_s", "pct_roofline", "first_call_s",
+                "prefill_ms", "bytes_per_step", "read_ceiling_gb_s", "device", "est_s"} <= r.keys()
+        assert r["context"] == CONTEXT and r["prompt_len"] == PROMPT and r["steps"] == STEPS
+        assert r["first_call_s"] > 0 and r["prefill_ms"] > 0 and r["ms_per_token"] > 0
+
+
+def test_rows_are_internally_consistent(suite):
+    _, rows, summary = suite
+    cfg = PRESETS["tiny-gqa"]
+    ours = {r["batch"]: r for r in rows if r["system"] == "ours"}
+    for r in rows:
+        step_s = r["ms_per_token"] / 1e3
+        assert r["tok_s"] == pytest.approx(r["batch"] / step_s, rel=REL)
+        moved = decode_cost(cfg, batch=r["batch"], context=CONTEXT + PROMPT + STEPS // 2, itemsize=4).bytes  # f32
+        assert r["bytes_per_step"] == moved
+        assert r["pct_roofline"] == pytest.approx(100 * moved / step_s / 1e9 / r["read_ceiling_gb_s"], rel=REL)
+        assert r["cache_len"] == cache_length(CONTEXT, PROMPT, STEPS) == 64
+        if r["system"] != "ours":
+            ratio = ours[r["batch"]]["tok_s"] / r["tok_s"]
+            assert r["ours_over_peer"] == pytest.approx(ratio, rel=REL)
+            assert summary["ratios_ours_over_peer"][f"tiny-gqa B{r['batch']} ctx{CONTEXT}"][r["system"]] == \
+                pytest.approx(ratio, rel=REL)
+            assert r["tokens_agree"] == 1 + STEPS, f"{r['system']} B{r['batch']} decoded other tokens than ours"
+
+
+def test_plot_is_a_png_image(suite):
+    out, rows, summary = suite
+    import matplotlib.image
+
+    path = out / "bench.png"
+    assert summary["plot"] == str(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200 and img.std() > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2"])
+def test_hf_copy_of_our_weights_is_exact(name):
+    """build_hf(ours) reproduces, tensor for tensor, the HF model our weights were loaded from."""
+    cfg = PRESETS[name]
+    ref = hf_model(cfg, seed=3)
+    ours = load_state_dict(init_random(cfg), state_dict_numpy(ref))
+    copy = bench_peers.build_hf(ours, device="cpu")
+    want, got = ref.state_dict(), copy.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
+def test_hf_eager_decodes_our_greedy_tokens():
+    """Same weights: HF's own generate, our HF decode loop and our engine agree token for token,
+    with no prefix, and after a zero prefix of 20 cache rows (the bench's context)."""
+    cfg = PRESETS["tiny-llama3"]
+    model = init_random(cfg, seed=5)
+    hf = bench_peers.build_hf(model, device="cpu")
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
+    steps = 6
+    with torch.no_grad():
+        generated = hf.generate(torch.as_tensor(prompts), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[:, prompts.shape[1]:].numpy()
+    loop = bench_peers.time_hf(hf, prompts, context=0, steps=steps, compiled=False).tokens
+    np.testing.assert_array_equal(loop, generated)
+    engine = Engine(model)
+    np.testing.assert_array_equal(time_engine(engine, prompts, context=0, steps=steps).tokens, generated)
+    theirs = bench_peers.time_hf(hf, prompts, context=20, steps=steps, compiled=False).tokens
+    np.testing.assert_array_equal(time_engine(engine, prompts, context=20, steps=steps).tokens, theirs)
+    assert not np.array_equal(theirs, generated)  # the prefix is attended to: it changes the tokens
+
+
+def test_dry_run_prints_the_gpu_suite(capsys):
+    assert main(["bench", "--suite", "gpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("llama-3.1-8b") == 6 and out.count("qwen2.5-7b") == 6 and "total about" in out
+
+
+def test_peer_restricted_to_some_configs(capsys):
+    argv = ["bench", "--dry-run", "--models", "llama-3.1-8b", "--batches", "1,32", "--contexts", "1k,8k",
+            "--peers", "scan,hf_static@1x1k+32x8k"]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "llama-3.1-8b" in line]
+    assert len(lines) == 4 and all("scan" in line for line in lines)
+    assert [("hf_static" in line) for line in lines] == [True, False, False, True]  # B1 1k, B1 8k, B32 1k, B32 8k
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--peers", "vllm"], "vllm"),
+    (["--contexts", "1k,big"], "--contexts"),
+    (["--models", "tiny-gqa", "--contexts", "60"], "exceeds the model's context of 64"),
+    (["--models", "llama-9b"], "llama-9b"),
+    (["--peers", "hf_static@1by1k"], "NAME@BxC"),
+])
+def test_bad_suite_flags_exit_2(argv, match, capsys):
+    assert main(["bench", "--dry-run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and match in err, err
