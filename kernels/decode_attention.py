@@ -286,6 +286,18 @@ def _check(q, k, v, lengths):
     raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
 
 
+def _prepare(q, k, v, lengths, sm_scale, block_sizes, interpret, poison):
+  """Checks, q as rows [B, K, R, H], the cache padded to whole blocks, and the kernels' keywords."""
+  _check(q, k, v, lengths)
+  _, tokens, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  k, v = _pad_cache(k, v, block_sizes)  # [B, S_pad, K, H]
+  kw = dict(sm_scale=sm_scale, group=heads // kv_heads, tokens=tokens, cfg=block_sizes,
+            interpret=interpret, poison=poison)
+  return _to_rows(q, kv_heads), k, v, lengths.astype(jnp.int32), kw
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "window", "block_sizes", "recompute",
                                              "interpret", "poison"))
 def decode_attention_async(
@@ -313,17 +325,10 @@ def decode_attention_async(
     s = jnp.where(visible, s, -jnp.inf)   # visible: pos <= lengths - T + t
     o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
   """
-  _check(q, k, v, lengths)
-  batch, tokens, heads, head_dim = q.shape
-  kv_heads = k.shape[2]
-  group = heads // kv_heads
-  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-  lengths = lengths.astype(jnp.int32)
+  q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, sm_scale, block_sizes, interpret, poison)
+  batch, tokens = q.shape[:2]
+  group = kw["group"]
   phi_b = jnp.broadcast_to(jnp.asarray(phi, jnp.float32), (batch,))  # [B]
-  q_rows = _to_rows(q, kv_heads)  # [B, K, R, H]
-  k, v = _pad_cache(k, v, block_sizes)  # [B, S_pad, K, H]
-  kw = dict(sm_scale=sm_scale, group=group, tokens=tokens, cfg=block_sizes, interpret=interpret,
-            poison=poison)
   acc, l = _attention_call(_async_kernel, (lengths, phi_b), q_rows, k, v, num_out=2, **kw)
   l = l.sum(axis=2)  # [B, K, R]: the one final reduction
   o = acc.sum(axis=2) / l[..., None]  # [B, K, R, H]
@@ -362,18 +367,10 @@ def decode_attention_sync(
     s = jnp.where(visible, s, -jnp.inf)   # visible: pos <= lengths - T + t
     o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
   """
-  _check(q, k, v, lengths)
-  batch, tokens, heads, head_dim = q.shape
-  kv_heads = k.shape[2]
-  group = heads // kv_heads
-  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-  q_rows = _to_rows(q, kv_heads)  # [B, K, R, H]
-  k, v = _pad_cache(k, v, block_sizes)  # [B, S_pad, K, H]
-  active = jnp.ones((batch, kv_heads), jnp.int32)
-  o, _ = _sync_partials(q_rows, k, v, lengths.astype(jnp.int32), active, sm_scale=sm_scale,
-                        group=group, tokens=tokens, cfg=block_sizes, interpret=interpret,
-                        poison=poison)
-  return _from_rows(o, tokens, group).astype(q.dtype)
+  q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, sm_scale, block_sizes, interpret, poison)
+  active = jnp.ones(q_rows.shape[:2], jnp.int32)  # [B, K]: every (sequence, kv head) program runs
+  o, _ = _sync_partials(q_rows, k, v, lengths, active, **kw)
+  return _from_rows(o, kw["tokens"], kw["group"]).astype(q.dtype)
 
 
 def calibrate_phi(row_stats, *, coverage: float = 0.9999,
