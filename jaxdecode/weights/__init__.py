@@ -7,7 +7,9 @@ a `WeightsError` whose message names the file.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +18,20 @@ from jaxdecode.config import ModelConfig
 
 class WeightsError(ValueError):
     """A checkpoint file or directory is missing, malformed or unsupported."""
+
+
+def open_map(path: Path, kind: str) -> tuple[Any, int]:
+    """A read-only memory map of the file (b"" when empty) and its size; WeightsError if unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            return (mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""), size
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{path}: is a directory, not a {kind} file") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
-import mmap
 import re
 import struct
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 
 from jaxdecode.config import ModelConfig, RopeScaling
-from jaxdecode.weights import WeightsError, check_state_dict, make_config
+from jaxdecode.weights import WeightsError, check_state_dict, make_config, open_map
 
 QT = GGMLQuantizationType
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
@@ -132,18 +131,9 @@ class _Cursor:
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse a GGUF file's header (metadata and tensor infos); the tensor data is mapped, not read."""
     path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, 2)
-            if size < 24:
-                raise WeightsError(f"{path}: truncated file: {size} bytes is too short for a GGUF header")
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    except FileNotFoundError:
-        raise WeightsError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise WeightsError(f"{path}: is a directory, not a GGUF file") from None
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read: {e.strerror or e}") from None
+    buf, size = open_map(path, "GGUF")
+    if size < 24:
+        raise WeightsError(f"{path}: truncated file: {size} bytes is too short for a GGUF header")
     cur = _Cursor(buf, path)
     magic = cur.scalar(4, "magic")
     if magic != GGUF_MAGIC:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxdecode.config import ModelConfig, RopeScaling
-from jaxdecode.weights import WeightsError, check_state_dict, make_config
+from jaxdecode.weights import WeightsError, check_state_dict, make_config, open_map
 
 # safetensors dtype → numpy dtype (None: known, with its size, but not loadable as a float weight).
 _DTYPES: dict[str, tuple[Any, int]] = {
@@ -41,23 +40,10 @@ class SafetensorInfo:
     n_bytes: int
 
 
-def _open_map(path: Path) -> tuple[Any, int]:
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, 2)
-            return (mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""), size
-    except FileNotFoundError:
-        raise WeightsError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise WeightsError(f"{path}: is a directory, not a safetensors file") from None
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read: {e.strerror or e}") from None
-
-
 def read_safetensors(path: str | Path) -> tuple[dict[str, SafetensorInfo], Any]:
     """Parse and validate a safetensors header: (tensor infos by name, the file's read-only map)."""
     path = Path(path)
-    buf, size = _open_map(path)
+    buf, size = open_map(path, "safetensors")
     if size < 8:
         raise WeightsError(f"{path}: truncated file: {size} bytes is too short for a safetensors header")
     n = int.from_bytes(buf[:8], "little")
