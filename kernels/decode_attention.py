@@ -79,6 +79,14 @@ def _num_blocks(length, split_start, split_len: int, block_k: int):
   return jnp.clip(n, 0, split_len // block_k)
 
 
+def _block(q, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float):
+  """Block i of a split: scores s [R, bk] (f32), the visibility mask [R, bk], and v [bk, H]."""
+  ks = pl.ds(i * block_k, block_k)
+  s = jnp.dot(q, k_ref[ks, :].T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
+  pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+  return s, pos[None, :] < row_end[:, None], v_ref[ks, :]
+
+
 def _async_kernel(
     # inputs
     len_ref,  # [] int32
@@ -104,11 +112,8 @@ def _async_kernel(
 
   def body(i, carry):
     acc, l = carry  # [R, H], [R]
-    ks = pl.ds(i * block_k, block_k)
-    s = jnp.dot(q, k_ref[ks, :].T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
-    pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-    p = jnp.where(pos[None, :] < row_end[:, None], jnp.exp(s - phi), 0.0)  # [R, bk]
-    v = v_ref[ks, :]  # [bk, H]
+    s, mask, v = _block(q, k_ref, v_ref, i, split_start, row_end, block_k=block_k, sm_scale=sm_scale)
+    p = jnp.where(mask, jnp.exp(s - phi), 0.0)  # [R, bk]
     acc = acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return acc, l + p.sum(axis=1)
 
@@ -145,15 +150,11 @@ def _sync_kernel(
 
   def body(i, carry):
     acc, l, m = carry  # [R, H], [R], [R]
-    ks = pl.ds(i * block_k, block_k)
-    s = jnp.dot(q, k_ref[ks, :].T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
-    pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-    mask = pos[None, :] < row_end[:, None]  # [R, bk]
+    s, mask, v = _block(q, k_ref, v_ref, i, split_start, row_end, block_k=block_k, sm_scale=sm_scale)
     s = jnp.where(mask, s, _NEG)
     m_next = jnp.maximum(m, s.max(axis=1))  # the synchronization FlashDecoding++ removes
     correction = jnp.exp(m - m_next)  # [R]
     p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [R, bk]
-    v = v_ref[ks, :]  # [bk, H]
     pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return correction[:, None] * acc + pv, correction * l + p.sum(axis=1), m_next
 
