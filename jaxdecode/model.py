@@ -118,19 +118,29 @@ class Attention(nnx.Module):
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])  # [B, S, K, H]
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])  # [B, S, K, H]
 
-        with jax.named_scope("sdpa"):
-            s = k_cache.shape[1]
-            q = q.reshape(b, t, cfg.n_kv_heads, cfg.group_size, cfg.head_dim)  # [B, T, K, G, H]
-            scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_cache, preferred_element_type=jnp.float32)
-            scores = scores * (cfg.head_dim**-0.5)
-            # Causal mask by position: a query at position p sees cache rows 0..p. Rows past a
-            # sequence's length hold stale or padding values and are always in the future.
-            visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-            scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)  # [B, K, G, T, S]
-            probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)  # [B, K, G, T, S]
-            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_cache, preferred_element_type=jnp.float32)
-            out = out.astype(x.dtype).reshape(b, t, cfg.q_dim)  # [B, T, N*H]
+        out = sdpa(q, k_cache, v_cache, positions).reshape(b, t, cfg.q_dim)  # [B, T, N*H]
         return self.o_proj(out), k_cache, v_cache
+
+
+@jax.jit
+def sdpa(q: Array, k_cache: Array, v_cache: Array, positions: Array) -> Array:
+    """Causal attention of q [B, T, N, H] over the cache [B, S, K, H]; returns [B, T, N, H] in q's dtype.
+
+    A query at position p sees cache rows 0..p (positions [B, T]); rows past a sequence's length hold
+    stale or padding values and are always in the future. One module-level jitted function, so the
+    in-place looped decode (`jaxdecode.inplace`) can hand it to a kernel that reads the stacked cache.
+    """
+    b, t, n, h = q.shape
+    s, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    with jax.named_scope("sdpa"):
+        q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_cache, preferred_element_type=jnp.float32)
+        scores = scores * (h**-0.5)
+        visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)  # [B, K, G, T, S]
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)  # [B, K, G, T, S]
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_cache, preferred_element_type=jnp.float32)
+        return out.astype(q.dtype).reshape(b, t, n, h)  # [B, T, N, H]
 
 
 class MLP(nnx.Module):
