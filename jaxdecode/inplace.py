@@ -10,12 +10,16 @@ in which a stacked input is a lazy `StackedRef(stack, i)`:
   goes to the hook, `stacked_dot(x [M, K], stack [L, K, N], i, out_dtype) -> y [M, N] | None`,
   which can read `stack[i]` in place (e.g. `kernels.flat_gemm(x, stack, i)`); `None` means "no
   kernel for this one", and the dot runs as written on the materialized row;
-- a `dynamic_update_slice` of a row of a stack held in the scan carry (a KV cache) writes into the
-  stack at `[i, ...]`, so the update stays in place and the row is never copied out and back;
-- calls (`jit`) that receive a ref are evaluated inline by the same interpreter, so a weight
+- a `dynamic_update_slice` or a `scatter` (what `vmap` makes of a per-sequence update) into a row
+  of a stack held in the scan carry (a KV cache) writes into the stack at `[i, ...]`, so the update
+  stays in place and the row is never copied out and back;
+- a call (`jit`) named in `stacked_calls` goes to its hook, `hook(*args) -> outputs | None`, whose
+  arguments keep their refs (e.g. the model's `sdpa` to `kernels.decode_attention` with the
+  stacked cache and the layer index); `None` means "evaluate the call as written";
+- other calls that receive a ref are evaluated inline by the same interpreter, so a weight
   passed through a helper function still reaches its dot;
 - any other consumer materializes the row once with `lax.dynamic_index_in_dim` (norm weights,
-  biases, attention reads of the cache).
+  biases).
 
 Nothing is bound with hand-built params: each equation is re-bound with its own primitive and
 params, and the replacements are public `lax` calls or the hook.
@@ -23,7 +27,7 @@ params, and the replacements are public `lax` calls or the hook.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,10 +35,12 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxdecode.looping_find import callee_of
+from jaxdecode.looping_find import callee_name, callee_of
 
 # stacked_dot(x [M, K], stack [L, K, N], index int32[], out_dtype) -> y [M, N] of out_dtype, or None
 StackedDot = Callable[[jax.Array, jax.Array, jax.Array, Any], "jax.Array | None"]
+# stacked_calls[name](*args) -> the call's outputs (a list), or None; args may be `StackedRef`s
+StackedCall = Callable[..., "list[jax.Array] | None"]
 
 
 class StackedRef:
@@ -67,12 +73,15 @@ class RefEvaluator:
     under the equation's context). `latest[origin]` is the newest version of each carried stack.
     """
 
-    def __init__(self, stacked_dot: StackedDot, bind: Callable, context: Callable):
+    def __init__(self, stacked_dot: StackedDot, bind: Callable, context: Callable,
+                 stacked_calls: Mapping[str, StackedCall] | None = None):
         self.stacked_dot, self._bind, self._context = stacked_dot, bind, context
+        self.stacked_calls = dict(stacked_calls or {})
         self.latest: dict[Any, Any] = {}
         self._rows: dict[int, Any] = {}
         self.kernel_dots = 0  # dots routed to `stacked_dot` (for reports and tests)
         self.fallback_dots = 0  # dots with a ref rhs that ran on a materialized row
+        self.hooked_calls = 0  # calls answered by a `stacked_calls` hook
 
     def row(self, value):
         """A value itself; for a ref, its row (read once per ref and cached)."""
@@ -99,17 +108,25 @@ class RefEvaluator:
 
     def _eval_with_refs(self, eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
         callee = callee_of(eqn)
-        if callee is not None and not eqn.effects:  # look through the call: refs reach its dots
+        if callee is not None and not eqn.effects:
+            hook = self.stacked_calls.get(callee_name(eqn))
             with self._context(eqn):
-                return self.eval(callee, invals)
+                outs = hook(*invals) if hook is not None else None
+                if outs is not None:
+                    self.hooked_calls += 1
+                    return list(outs)
+                return self.eval(callee, invals)  # look through the call: refs reach its dots
         if plain_contraction(eqn) and isinstance(invals[1], StackedRef) and not isinstance(invals[0], StackedRef):
             y = self._dot(eqn, invals[0], invals[1])
             if y is not None:
                 return [y]
             self.fallback_dots += 1
-        if eqn.primitive.name == "dynamic_update_slice" and isinstance(invals[0], StackedRef) \
-                and invals[0].origin is not None and not any(isinstance(v, StackedRef) for v in invals[1:]):
-            return [self._update(eqn, invals[0], invals[1], invals[2:])]
+        if isinstance(invals[0], StackedRef) and invals[0].origin is not None \
+                and not any(isinstance(v, StackedRef) for v in invals[1:]):
+            if eqn.primitive.name == "dynamic_update_slice":
+                return [self._update(eqn, invals[0], invals[1], invals[2:])]
+            if eqn.primitive.name == "scatter" and eqn.params.get("update_jaxpr") is None:
+                return [self._scatter(eqn, invals[0], *invals[1:])]
         return self._bind(eqn, [self.row(v) for v in invals])
 
     def _dot(self, eqn: jcore.JaxprEqn, x, ref: StackedRef):
@@ -132,6 +149,30 @@ class RefEvaluator:
         new = StackedRef(stack, ref.index, ref.origin)
         self.latest[ref.origin] = stack
         return new
+
+    def _scatter(self, eqn: jcore.JaxprEqn, ref: StackedRef, indices, updates):
+        """scatter(row i, indices, updates) as a scatter into the carried stack [L, ...].
+
+        The stack's leading axis becomes one more scattered (inserted) dimension whose index is
+        i for every update: the index vectors gain i in front, every operand axis shifts by one.
+        """
+        dn = eqn.params["dimension_numbers"]
+        with self._context(eqn):
+            layer = lax.convert_element_type(ref.index, indices.dtype)
+            lead = lax.broadcast_in_dim(layer, (*indices.shape[:-1], 1), ())
+            indices = lax.concatenate([lead, indices], indices.ndim - 1)  # [..., 1 + index vector]
+            shift = lambda dims: tuple(int(d) + 1 for d in dims)  # noqa: E731
+            lifted = lax.ScatterDimensionNumbers(
+                update_window_dims=tuple(dn.update_window_dims),
+                inserted_window_dims=(0, *shift(dn.inserted_window_dims)),
+                scatter_dims_to_operand_dims=(0, *shift(dn.scatter_dims_to_operand_dims)),
+                operand_batching_dims=shift(dn.operand_batching_dims),
+                scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims))
+            stack = lax.scatter(ref.stack, indices, updates, lifted,
+                                indices_are_sorted=eqn.params["indices_are_sorted"],
+                                unique_indices=eqn.params["unique_indices"], mode=eqn.params["mode"])
+        self.latest[ref.origin] = stack
+        return StackedRef(stack, ref.index, ref.origin)
 
     def write_back(self, origin, value):
         """The carried stack `origin` after the step, with row i holding `value`."""

@@ -6,9 +6,10 @@ when a cache is created, and both stay packed: every step reads the stacks direc
 per-step stacking or copying. One plan is traced per input shape (prefill and decode differ).
 
 Modes (`LOOP_MODES`): "slice" (the scan slices the stacks), "whole" (the body takes row i with
-`dynamic_index_in_dim`), "inplace" ("whole" plus `kernel_stacked_dot`: the layer's `x @ W` dots read
-W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel, and the KV cache is
-updated in place in the scan carry). `default_loop_mode()` (the engine's default) picks "inplace" on
+`dynamic_index_in_dim`), "inplace" ("whole" plus the in-place hooks: the layer's `x @ W` dots read
+W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel (`kernel_stacked_dot`),
+the KV cache is written in place in the scan carry, and attention (the model's `sdpa` call) reads
+layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks "inplace" on
 a GPU and "slice" elsewhere: on a GPU XLA copies each W[i] out of its stack before a dot.
 """
 
@@ -18,10 +19,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels import dispatch, flat_gemm
+from kernels import decode_attention, dispatch, flat_gemm
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
+from jaxdecode.inplace import StackedRef
 from jaxdecode.looping import LoopPlan, LoopReport, Packed, kernel_loop
 
 # Argument and output positions of `forward` below that the plan packs.
@@ -60,6 +62,41 @@ def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
     return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
 
 
+MAX_ATTENTION_ROWS = 64  # T·G query rows per kv head the attention kernel takes (decode, short chunks)
+
+
+def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
+                     block_sizes: decode_attention.BlockSizes = decode_attention.BlockSizes(),
+                     interpret: bool = False):
+    """The `stacked_calls["sdpa"]` hook of the engine: `model.sdpa` with the cache read in place.
+
+    q [B, T, N, H]; k_cache, v_cache `StackedRef`s of the carried [L, B, S, K, H] stacks at layer i
+    (already holding this step's new rows); positions [B, T], contiguous per sequence, so the kernel's
+    lengths are positions[:, -1] + 1. Returns [out [B, T, N, H]], or None (the caller then runs
+    `sdpa` on the materialized rows): for prefill-sized T·G, for a cache length the kernel would
+    have to pad (a copy of the stack), and, with `impl=None`, where `kernels.dispatch` says "xla"
+    (off Hopper) or the dtype is not 16-bit. The synchronized kernel is the default choice on the
+    H200 (kernels/tables/h200.json); "async" runs with φ = 0 and its exact fallback.
+    """
+    if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)):
+        return None
+    batch, tokens, heads, _ = q.shape
+    cache_len, kv_heads = k_cache.stack.shape[2], k_cache.stack.shape[3]
+    if tokens * (heads // kv_heads) > MAX_ATTENTION_ROWS or cache_len % block_sizes.block_k:
+        return None
+    if impl is None:
+        impl = dispatch.choose_attention().impl
+        if impl == "xla" or q.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+    lengths = positions[:, -1].astype(jnp.int32) + 1  # [B]
+    kw = dict(layer=k_cache.index, block_sizes=block_sizes, interpret=interpret)
+    if impl == "async":
+        out, _ = decode_attention.decode_attention_async(q, k_cache.stack, v_cache.stack, lengths, 0.0, **kw)
+    else:
+        out = decode_attention.decode_attention_sync(q, k_cache.stack, v_cache.stack, lengths, **kw)
+    return [out.astype(q.dtype)]
+
+
 def _spec(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
@@ -67,13 +104,15 @@ def _spec(x) -> jax.ShapeDtypeStruct:
 class LoopedForward:
     """forward(params, tokens, positions, cache) with the layers run as one `lax.scan`."""
 
-    def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None):
+    def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None,
+                 attention=None):
         if mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {mode!r}")
         self.cfg = cfg
         self.mode = mode
         self.index_mode = "slice" if mode == "slice" else "whole"
         self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
+        self._attention = (attention or kernel_attention) if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)
         self._plans: dict[tuple, LoopPlan] = {}
@@ -87,7 +126,8 @@ class LoopedForward:
             kv = [jax.ShapeDtypeStruct((batch, cache_len, cfg.n_kv_heads, cfg.head_dim), cache_dtype)] * cfg.n_layers
             self._plans[key] = kernel_loop(self._forward, self._param_specs, int_spec, int_spec, kv, kv,
                                            index_mode=self.index_mode, packed_outputs=_PACKED_OUTPUTS,
-                                           stacked_dot=self._stacked_dot)
+                                           stacked_dot=self._stacked_dot,
+                                           stacked_calls={"sdpa": self._attention} if self._attention else None)
         return self._plans[key]
 
     def pack_params(self, params) -> Packed:

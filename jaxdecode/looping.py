@@ -74,7 +74,7 @@ from jax.extend import core as jcore
 
 from jaxdecode.looping_eval import (Packed, PackLayout, _Analysis, _as_stack, _Interpreter, _materialize,
                                     _stack_spec)
-from jaxdecode.inplace import StackedDot, StackedRef
+from jaxdecode.inplace import StackedCall, StackedDot, StackedRef
 from jaxdecode.looping_find import Run, callee_of
 from jaxdecode.looping_report import InputReport, LoopReport, RunReport, aval_str
 
@@ -118,7 +118,8 @@ class LoopPlan:
 
     def __init__(self, fn: Callable, args: tuple, index_mode: str,
                  packed_argnums: tuple[int, ...] | None, packed_outputs: Mapping[int, int],
-                 stacked_dot: StackedDot | None = None):
+                 stacked_dot: StackedDot | None = None,
+                 stacked_calls: Mapping[str, StackedCall] | None = None):
         if index_mode not in INDEX_MODES:
             raise ValueError(f"index_mode must be one of {INDEX_MODES}, got {index_mode!r}")
         if stacked_dot is not None and index_mode != "whole":
@@ -132,7 +133,7 @@ class LoopPlan:
         self._root = _peel(jaxpr)
         self._analysis = _Analysis()
         self._analysis.analyze(self._root, getattr(fn, "__name__", "fn"))
-        self._interp = _Interpreter(self._analysis, index_mode, stacked_dot)
+        self._interp = _Interpreter(self._analysis, index_mode, stacked_dot, stacked_calls)
         self._specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
                        for a in self._root.in_avals]
         offsets = [0]
@@ -306,7 +307,8 @@ class LoopPlan:
 def kernel_loop(fn: Callable, *args, index_mode: str = "slice",
                 packed_argnums: tuple[int, ...] | None = None,
                 packed_outputs: Mapping[int, int] | None = None,
-                stacked_dot: StackedDot | None = None) -> LoopPlan:
+                stacked_dot: StackedDot | None = None,
+                stacked_calls: Mapping[str, StackedCall] | None = None) -> LoopPlan:
     """Analyse `fn` at `args` (arrays or `jax.ShapeDtypeStruct`s) and plan its kernel looping.
 
     Args:
@@ -320,8 +322,11 @@ def kernel_loop(fn: Callable, *args, index_mode: str = "slice",
         weight is stacked call `stacked_dot(x [M, K], stack [L, K, N], i, out_dtype)` (it may
         return None: then the dot runs on the row), and stacked inputs that an output updates (a
         KV cache) travel in the scan carry, updated at row i (`jaxdecode.inplace`).
+      stacked_calls: with stacked_dot, {call name: hook}: a call of that name inside a looped
+        layer goes to `hook(*args)` with its stacked arguments still unread (`StackedRef`s); the
+        hook returns the call's outputs, or None to evaluate the call as written.
 
     Returns:
       A `LoopPlan`: `pack`, `looped`, `unpack_outputs`, `report`, `jaxpr`.
     """
-    return LoopPlan(fn, args, index_mode, packed_argnums, packed_outputs or {}, stacked_dot)
+    return LoopPlan(fn, args, index_mode, packed_argnums, packed_outputs or {}, stacked_dot, stacked_calls)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -14,7 +14,7 @@ from jax import lax
 from jax._src import source_info_util  # private: public jax cannot set an equation's name stack
 from jax.extend import core as jcore
 
-from jaxdecode.inplace import RefEvaluator, StackedDot, StackedRef, output_aliases
+from jaxdecode.inplace import RefEvaluator, StackedCall, StackedDot, StackedRef, output_aliases
 from jaxdecode.looping_find import Run, StructuralKeys, callee_name, callee_of, find_runs, sub_jaxprs
 from jaxdecode.looping_report import SkipReport
 
@@ -108,8 +108,10 @@ class _Analysis:
 class _Interpreter:
     """Evaluates analysed jaxprs, turning each run into one `lax.scan` (Equinox-style env loop)."""
 
-    def __init__(self, analysis: _Analysis, index_mode: str, stacked_dot: StackedDot | None = None):
+    def __init__(self, analysis: _Analysis, index_mode: str, stacked_dot: StackedDot | None = None,
+                 stacked_calls: Mapping[str, StackedCall] | None = None):
         self.analysis, self.index_mode, self.stacked_dot = analysis, index_mode, stacked_dot
+        self.stacked_calls = stacked_calls
         self._transformed: dict[int, jcore.Jaxpr] = {}
 
     def eval(self, jaxpr: jcore.Jaxpr, args: Sequence[Any]) -> list[Any]:
@@ -217,7 +219,7 @@ class _Interpreter:
             with _eqn_context(eqn):
                 return _bind(eqn, eqn.params, args)
 
-        evaluator = RefEvaluator(self.stacked_dot, bind, _eqn_context)
+        evaluator = RefEvaluator(self.stacked_dot, bind, _eqn_context, self.stacked_calls)
 
         def body(carry, i):
             carried, alias_stacks = carry[:n_carry], dict(zip(alias_ps, carry[n_carry:]))

@@ -79,32 +79,37 @@ def _num_blocks(length, split_start, split_len: int, block_k: int):
   return jnp.clip(n, 0, split_len // block_k)
 
 
-def _block(q, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float):
+def _split_loader(row_ref, split_len: int):
+  """load(ref, start, size) -> rows [size, H] of this program's split of the cache.
+
+  Without `row_ref` the k/v refs are the split's own block [S/splits, H] (cut by the BlockSpec).
+  With it they are the whole stacked cache [L·B, S, K, H], read in place: `row_ref` holds this
+  sequence's row of the stack (layer·B + b), and the kv head and split come from the program ids.
+  """
+  if row_ref is None:
+    return lambda ref, start, size: ref[pl.ds(start, size), :]
+  row, head, base = row_ref[()], pl.program_id(1), pl.program_id(2) * split_len
+  return lambda ref, start, size: ref[row, pl.ds(base + start, size), head, :]
+
+
+def _block(q, load, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float):
   """Block i of a split: scores s [R, bk] (f32), the visibility mask [R, bk], and v [bk, H]."""
-  ks = pl.ds(i * block_k, block_k)
-  s = jnp.dot(q, k_ref[ks, :].T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
+  k = load(k_ref, i * block_k, block_k)  # [bk, H]
+  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
   pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-  return s, pos[None, :] < row_end[:, None], v_ref[ks, :]
+  return s, pos[None, :] < row_end[:, None], load(v_ref, i * block_k, block_k)
 
 
-def _async_kernel(
-    # inputs
-    len_ref,  # [] int32
-    phi_ref,  # [] f32, the unified max value φ
-    q_ref,  # [R, H]
-    k_ref,  # [S/splits, H]
-    v_ref,  # [S/splits, H]
-    # outputs
-    acc_ref,  # [R, H] f32: Σ e^{x-φ}·v over this split
-    l_ref,  # [R] f32: Σ e^{x-φ} over this split
-    *,
-    sm_scale: float,
-    block_k: int,
-    group: int,
-    tokens: int,
-):
+def _async_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int,
+                  stacked: bool):
+  """refs: [row_ref] (stacked only), then
+  inputs  len_ref [] int32, phi_ref [] f32 (the unified max value φ), q_ref [R, H],
+          k_ref, v_ref ([S/splits, H], or the whole stack [L·B, S, K, H] when stacked);
+  outputs acc_ref [R, H] f32 (Σ e^{x-φ}·v over this split), l_ref [R] f32 (Σ e^{x-φ})."""
+  row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+  len_ref, phi_ref, q_ref, k_ref, v_ref, acc_ref, l_ref = refs
+  load = _split_loader(row_ref, split_len)
   rows, head_dim = q_ref.shape
-  split_len = k_ref.shape[0]
   split_start = pl.program_id(2) * split_len
   length, phi = len_ref[()], phi_ref[()]
   row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
@@ -112,7 +117,8 @@ def _async_kernel(
 
   def body(i, carry):
     acc, l = carry  # [R, H], [R]
-    s, mask, v = _block(q, k_ref, v_ref, i, split_start, row_end, block_k=block_k, sm_scale=sm_scale)
+    s, mask, v = _block(q, load, k_ref, v_ref, i, split_start, row_end, block_k=block_k,
+                        sm_scale=sm_scale)
     p = jnp.where(mask, jnp.exp(s - phi), 0.0)  # [R, bk]
     acc = acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return acc, l + p.sum(axis=1)
@@ -124,25 +130,16 @@ def _async_kernel(
   l_ref[...] = l
 
 
-def _sync_kernel(
-    # inputs
-    len_ref,  # [] int32
-    active_ref,  # [] int32: 0 skips the program (rows that need no recompute)
-    q_ref,  # [R, H]
-    k_ref,  # [S/splits, H]
-    v_ref,  # [S/splits, H]
-    # outputs
-    acc_ref,  # [R, H] f32: Σ e^{x-m}·v
-    l_ref,  # [R] f32: Σ e^{x-m}
-    m_ref,  # [R] f32: running max m of this split
-    *,
-    sm_scale: float,
-    block_k: int,
-    group: int,
-    tokens: int,
-):
+def _sync_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int,
+                 stacked: bool):
+  """refs: [row_ref] (stacked only), then
+  inputs  len_ref [] int32, active_ref [] int32 (0 skips the program: rows needing no recompute),
+          q_ref [R, H], k_ref, v_ref (as in `_async_kernel`);
+  outputs acc_ref [R, H] f32 (Σ e^{x-m}·v), l_ref [R] f32 (Σ e^{x-m}), m_ref [R] f32 (running max)."""
+  row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+  len_ref, active_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref = refs
+  load = _split_loader(row_ref, split_len)
   rows, head_dim = q_ref.shape
-  split_len = k_ref.shape[0]
   split_start = pl.program_id(2) * split_len
   length = len_ref[()]
   row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
@@ -150,7 +147,8 @@ def _sync_kernel(
 
   def body(i, carry):
     acc, l, m = carry  # [R, H], [R], [R]
-    s, mask, v = _block(q, k_ref, v_ref, i, split_start, row_end, block_k=block_k, sm_scale=sm_scale)
+    s, mask, v = _block(q, load, k_ref, v_ref, i, split_start, row_end, block_k=block_k,
+                        sm_scale=sm_scale)
     s = jnp.where(mask, s, _NEG)
     m_next = jnp.maximum(m, s.max(axis=1))  # the synchronization FlashDecoding++ removes
     correction = jnp.exp(m - m_next)  # [R]
@@ -188,28 +186,45 @@ def _layout(batch: int, kv_heads: int, cache_len: int, cfg: BlockSizes) -> tuple
   return splits, splits * cfg.block_k * -(-blocks // splits)
 
 
-def _pad_cache(k, v, cfg: BlockSizes):
-  """k, v [B, S, K, H] -> [B, S_pad, K, H] (a copy only when S is not already aligned)."""
-  batch, cache_len, kv_heads, _ = k.shape
+def _pad_cache(k, v, cfg: BlockSizes, stacked: bool):
+  """k, v [B, S, K, H] -> [B, S_pad, K, H] (a copy only when S is not already aligned).
+
+  A stacked cache [L, B, S, K, H] is never padded: that would copy every layer's cache per call.
+  """
+  batch, cache_len, kv_heads, _ = k.shape[-4:]
   _, padded = _layout(batch, kv_heads, cache_len, cfg)
+  if padded == cache_len:
+    return k, v
+  if stacked:
+    raise ValueError(f"a stacked cache is read in place, so its length {cache_len} must be a "
+                     f"multiple of block_k={cfg.block_k}")
   pad = ((0, 0), (0, padded - cache_len), (0, 0), (0, 0))
-  return (k, v) if padded == cache_len else (jnp.pad(k, pad), jnp.pad(v, pad))
+  return jnp.pad(k, pad), jnp.pad(v, pad)
 
 
-def _attention_call(kernel, scalars, q, k, v, *, num_out: int, sm_scale, group, tokens, cfg,
-                    interpret, poison):
+def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, group, tokens,
+                    cfg, interpret, poison):
   """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs.
 
-  k, v come padded by `_pad_cache`. poison=True hands the kernel NaN-filled output buffers
-  (aliased inputs), so a partial the kernel fails to write shows up as NaN.
+  k, v come padded by `_pad_cache`: [B, S_pad, K, H], or stacks [L, B, S, K, H] read at row
+  `layer` in place (the kernel gets the whole stack and indexes it; no BlockSpec cuts it).
+  poison=True hands the kernel NaN-filled output buffers (aliased inputs), so a partial the kernel
+  fails to write shows up as NaN.
   """
   batch, kv_heads, rows, head_dim = q.shape  # [B, K, R, H]
-  cache_len = k.shape[1]  # k: [B, S_pad, K, H]
+  cache_len = k.shape[-3]
   splits, _ = _layout(batch, kv_heads, cache_len, cfg)
   split_len = cache_len // splits
   per_seq = pl.BlockSpec((None,), lambda b, h, s: (b,))  # [B] -> []
   per_head = pl.BlockSpec((None, None), lambda b, h, s: (b, h))  # [B, K] -> []
-  kv_spec = pl.BlockSpec((None, split_len, None, head_dim), lambda b, h, s: (b, s, h, 0))
+  stacked = layer is not None
+  if stacked:
+    k, v = (x.reshape(-1, *x.shape[2:]) for x in (k, v))  # [L·B, S, K, H]: a free reshape
+    kv_rows = jnp.asarray(layer, jnp.int32) * batch + jnp.arange(batch, dtype=jnp.int32)  # [B]
+    scalars = (kv_rows, *scalars)
+    kv_spec = pl.BlockSpec()  # the whole stack
+  else:
+    kv_spec = pl.BlockSpec((None, split_len, None, head_dim), lambda b, h, s: (b, s, h, 0))
   in_specs = [per_seq if x.ndim == 1 else per_head for x in scalars] + [
       pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
       kv_spec,
@@ -221,7 +236,7 @@ def _attention_call(kernel, scalars, q, k, v, *, num_out: int, sm_scale, group, 
     out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
   body = functools.partial(kernel, sm_scale=sm_scale, block_k=cfg.block_k, group=group,
-                           tokens=tokens)
+                           tokens=tokens, split_len=split_len, stacked=stacked)
   inputs = [*scalars, q, k, v]
   n_in = len(inputs)
   if poison:
@@ -261,10 +276,10 @@ def _from_rows(x, tokens: int, group: int):
   return x.reshape(batch, tokens, kv_heads * group, *x.shape[4:])  # [B, T, N, ...]
 
 
-def _sync_partials(q_rows, k, v, lengths, active, *, sm_scale, group, tokens, cfg, interpret,
+def _sync_partials(q_rows, k, v, layer, lengths, active, *, sm_scale, group, tokens, cfg, interpret,
                    poison):
   acc, l, m = _attention_call(
-      _sync_kernel, (lengths, active), q_rows, k, v, num_out=3, sm_scale=sm_scale, group=group,
+      _sync_kernel, (lengths, active), q_rows, k, v, layer, num_out=3, sm_scale=sm_scale, group=group,
       tokens=tokens, cfg=cfg, interpret=interpret, poison=poison)
   m_all = m.max(axis=2, keepdims=True)  # [B, K, 1, R]
   correction = jnp.exp(m - m_all)  # [B, K, splits, R]
@@ -277,23 +292,26 @@ def _sync_partials(q_rows, k, v, lengths, active, *, sm_scale, group, tokens, cf
 # Public ops
 
 
-def _check(q, k, v, lengths):
+def _check(q, k, v, lengths, layer):
   batch, _, heads, head_dim = q.shape
-  if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+  if k.ndim != (4 if layer is None else 5):
+    raise ValueError(f"cache must be [B, S, K, H], or [L, B, S, K, H] with a layer index; got "
+                     f"{k.shape} with layer={'None' if layer is None else 'given'}")
+  if k.shape != v.shape or k.shape[-4] != batch or k.shape[-1] != head_dim:
     raise ValueError(f"cache shapes {k.shape}, {v.shape} do not match q {q.shape}")
-  if heads % k.shape[2]:
-    raise ValueError(f"query heads {heads} not a multiple of kv heads {k.shape[2]}")
+  if heads % k.shape[-2]:
+    raise ValueError(f"query heads {heads} not a multiple of kv heads {k.shape[-2]}")
   if lengths.shape != (batch,):
     raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
 
 
-def _prepare(q, k, v, lengths, sm_scale, block_sizes, interpret, poison):
+def _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison):
   """Checks, q as rows [B, K, R, H], the cache padded to whole blocks, and the kernels' keywords."""
-  _check(q, k, v, lengths)
+  _check(q, k, v, lengths, layer)
   _, tokens, heads, head_dim = q.shape
-  kv_heads = k.shape[2]
+  kv_heads = k.shape[-2]
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-  k, v = _pad_cache(k, v, block_sizes)  # [B, S_pad, K, H]
+  k, v = _pad_cache(k, v, block_sizes, layer is not None)  # [B, S_pad, K, H]
   kw = dict(sm_scale=sm_scale, group=heads // kv_heads, tokens=tokens, cfg=block_sizes,
             interpret=interpret, poison=poison)
   return _to_rows(q, kv_heads), k, v, lengths.astype(jnp.int32), kw
@@ -308,6 +326,7 @@ def decode_attention_async(
     lengths: jax.Array,  # [B] int32
     phi: jax.Array | float,  # [] f32 unified max value (may be traced: one per layer)
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
     window: SoftmaxWindow = SoftmaxWindow(),
     block_sizes: BlockSizes = BlockSizes(),
@@ -318,7 +337,9 @@ def decode_attention_async(
   """Decode attention with one unified max φ; rows outside the window are recomputed.
 
   Any S works: an S that is not a multiple of splits·block_k is padded (one copy of the cache) and
-  masked by length. poison=True (tests) runs the kernels on NaN-filled output buffers.
+  masked by length. With `layer` (an int32 scalar, may be traced), k and v are stacked caches
+  [L, B, S, K, H] and layer `layer` is read in place (S must then be a multiple of block_k): the
+  looped decode's attention. poison=True (tests) runs the kernels on NaN-filled output buffers.
 
   Equivalent to the following JAX code (ignoring the returned AsyncInfo):
 
@@ -326,11 +347,12 @@ def decode_attention_async(
     s = jnp.where(visible, s, -jnp.inf)   # visible: pos <= lengths - T + t
     o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
   """
-  q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, sm_scale, block_sizes, interpret, poison)
+  q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret,
+                                       poison)
   batch, tokens = q.shape[:2]
   group = kw["group"]
   phi_b = jnp.broadcast_to(jnp.asarray(phi, jnp.float32), (batch,))  # [B]
-  acc, l = _attention_call(_async_kernel, (lengths, phi_b), q_rows, k, v, num_out=2, **kw)
+  acc, l = _attention_call(_async_kernel, (lengths, phi_b), q_rows, k, v, layer, num_out=2, **kw)
   l = l.sum(axis=2)  # [B, K, R]: the one final reduction
   o = acc.sum(axis=2) / l[..., None]  # [B, K, R, H]
   log_l = jnp.log(l)  # [B, K, R], relative to φ
@@ -339,7 +361,7 @@ def decode_attention_async(
   lse = log_l + phi_b[:, None, None]
   if recompute:
     active = (~safe).any(axis=2).astype(jnp.int32)  # [B, K]
-    o_sync, lse_sync = _sync_partials(q_rows, k, v, lengths, active, **kw)
+    o_sync, lse_sync = _sync_partials(q_rows, k, v, layer, lengths, active, **kw)
     o = jnp.where(safe[..., None], o, o_sync)
     lse = jnp.where(safe, lse, lse_sync)
   info = AsyncInfo(recomputed=_from_rows(~safe, tokens, group), lse=_from_rows(lse, tokens, group))
@@ -353,6 +375,7 @@ def decode_attention_sync(
     v: jax.Array,  # [B, S, K, H]
     lengths: jax.Array,  # [B] int32
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool = False,
@@ -360,7 +383,7 @@ def decode_attention_sync(
 ) -> jax.Array:
   """Split-K decode attention with the synchronized (online, running-max) softmax.
 
-  Any S works (padded and masked as in `decode_attention_async`); poison as there.
+  Any S works (padded and masked as in `decode_attention_async`); `layer` and poison as there.
 
   Equivalent to the following JAX code:
 
@@ -368,9 +391,10 @@ def decode_attention_sync(
     s = jnp.where(visible, s, -jnp.inf)   # visible: pos <= lengths - T + t
     o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
   """
-  q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, sm_scale, block_sizes, interpret, poison)
+  q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret,
+                                       poison)
   active = jnp.ones(q_rows.shape[:2], jnp.int32)  # [B, K]: every (sequence, kv head) program runs
-  o, _ = _sync_partials(q_rows, k, v, lengths, active, **kw)
+  o, _ = _sync_partials(q_rows, k, v, layer, lengths, active, **kw)
   return _from_rows(o, kw["tokens"], kw["group"]).astype(q.dtype)
 
 

@@ -13,15 +13,19 @@ from jax import lax
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
 from jaxdecode.inplace import output_aliases
-from jaxdecode.looped_model import LoopedForward, kernel_stacked_dot
+from jaxdecode.looped_model import LoopedForward, kernel_attention, kernel_stacked_dot
 from jaxdecode.looping import kernel_loop
 from jaxdecode.model import init_random
+from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm import BlockSizes
 from tests.test_looping import D, L, _inputs, decoder
 
 RTOL = ATOL = 1e-5  # f32; the interpret-mode kernel sums K in tiles, so the order differs from XLA's dot
 TINY_BLOCKS = BlockSizes(tile_n=16, tile_k=16)  # divides every tiny-config width (48, 80, 16)
 interpret_dot = functools.partial(kernel_stacked_dot, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
+# The decode attention kernel in interpret mode; block_k 16 divides the engine's 64-aligned caches.
+interpret_attention = functools.partial(kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2),
+                                        interpret=True)
 
 
 def _plain_dot(x, stack, i, out_dtype):  # reads W[i] with a dynamic slice: the same values as a dot on the row
@@ -150,9 +154,10 @@ def tiny():
     return init_random(get_preset("tiny-gqa"))
 
 
-def _inplace_engine(model, dot=interpret_dot):
+def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention):
     engine = Engine(model, loop_mode="inplace")
-    engine._plan._stacked_dot = dot  # the Pallas kernel in interpret mode (the CPU has no Mosaic GPU)
+    engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
+    engine._plan._attention = attention
     return engine
 
 
@@ -168,6 +173,50 @@ def test_engine_inplace_greedy_tokens_equal(tiny):
     unrolled = Engine(tiny, loop_layers=False).generate(prompts, **kwargs).token_ids
     assert Engine(tiny, loop_mode="slice").generate(prompts, **kwargs).token_ids == unrolled
     assert _inplace_engine(tiny).generate(prompts, **kwargs).token_ids == unrolled
+    # attention on materialized cache rows (the hook declines), the cache still written in place
+    assert _inplace_engine(tiny, attention=lambda *args: None).generate(prompts, **kwargs).token_ids == unrolled
+
+
+def _decode_step_jaxpr(engine, batch=2, cache_len=64):
+    cache = engine.new_cache(batch, cache_len)
+    tokens = positions = jnp.zeros((batch, 1), jnp.int32)
+    return jax.make_jaxpr(engine.forward)(engine.params, tokens, positions, cache).jaxpr
+
+
+def _stack_uses(jaxpr, stacks, uses):
+    """Counts, by primitive, the equations of `jaxpr` that consume `stacks` or what a write or a
+    free reshape of them makes, looking through jit calls."""
+    frontier = set(stacks)
+    while frontier:
+        nxt = set()
+        for eqn in jaxpr.eqns:
+            hits = [p for p, a in enumerate(eqn.invars) if not hasattr(a, "val") and a in frontier]
+            if not hits:
+                continue
+            if eqn.primitive.name in ("jit", "pjit"):
+                callee = eqn.params["jaxpr"].jaxpr
+                _stack_uses(callee, [callee.invars[p] for p in hits], uses)
+                continue
+            uses[eqn.primitive.name] = uses.get(eqn.primitive.name, 0) + 1
+            if eqn.primitive.name in ("scatter", "reshape"):
+                nxt.update(eqn.outvars)
+        frontier = nxt - frontier
+    return uses
+
+
+def test_engine_inplace_cache_never_copied(tiny):
+    """In the looped decode step the [L, B, S, K, H] cache stacks are touched only by the in-place
+    writes (scatters into the carried stacks) and the attention kernel (pallas_call on the whole
+    stacks): no row of the cache is read out (dynamic slice) or written back whole."""
+    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny)))
+    stacks = [v for v in body.invars if getattr(v.aval, "ndim", 0) == 5]
+    assert len(stacks) == 2
+    uses = _stack_uses(body, stacks, {})
+    assert uses == {"scatter": 2, "reshape": 2, "pallas_call": 1}, uses  # K, V: write, flatten, one read
+    # and with the attention hook declining, the read is one row slice per cache (no whole-row write)
+    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attention=lambda *args: None)))
+    names = [e.primitive.name for e in body.eqns]
+    assert names.count("scatter") == 2 and "dynamic_update_slice" not in names
 
 
 def test_engine_default_mode_is_per_backend(tiny):

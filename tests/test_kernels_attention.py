@@ -119,6 +119,29 @@ class TestDecodeAttention:
     np.testing.assert_array_equal(rates, [0.0, 1.0])
 
 
+  @pytest.mark.parametrize("name", ["tiny_gqa4_t3_b2_s128", "tiny_gqa4_b2_s256"])
+  def test_stacked_cache_reads_the_given_layer(self, name):
+    """k, v as stacks [L, B, S, K, H] plus a traced layer index (the looped decode's form) give
+    exactly the result of that layer's cache alone, for both kernels, in a scan over the layers."""
+    shape = TEST_ATTENTION[name]
+    layers = [_inputs(shape, seed=10 + i) for i in range(3)]
+    q, lengths = layers[0][0], layers[0][3]
+    k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
+    v_stack = jnp.stack([v for _, _, v, _ in layers])
+
+    def body(_, i):
+      sync = da.decode_attention_sync(q, k_stack, v_stack, lengths, layer=i, block_sizes=BLOCKS,
+                                      interpret=self.INTERPRET, poison=True)
+      out, info = self._async(q, k_stack, v_stack, lengths, 0.0, layer=i)
+      return None, (sync, out, info.recomputed.any())
+
+    _, (sync, out, recomputed) = jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))
+    for i, (_, k, v, _) in enumerate(layers):
+      ref, _ = da.decode_attention_reference(q, k, v, lengths)
+      _close(sync[i], ref)
+      _close(out[i], ref)
+    assert not recomputed.any()
+
 class TestDecodeAttentionInterpret(TestDecodeAttention):
   INTERPRET = True
 
@@ -145,6 +168,13 @@ def test_bad_shapes_raise():
     da.decode_attention_async(q, k, v[:, :64], lengths, 0.0, interpret=True)
   with pytest.raises(ValueError):
     da.decode_attention_sync(q, k, v, lengths[None], interpret=True)
+  with pytest.raises(ValueError, match="layer index"):  # a stack needs its layer, a layer a stack
+    da.decode_attention_sync(q, k[None], v[None], lengths, interpret=True)
+  with pytest.raises(ValueError, match="layer index"):
+    da.decode_attention_sync(q, k, v, lengths, layer=0, interpret=True)
+  short = _inputs(TEST_ATTENTION["tiny_mha_b2_s65"])  # S = 65: a stack is never padded (copied)
+  with pytest.raises(ValueError, match="multiple of block_k"):
+    da.decode_attention_sync(short[0], short[1][None], short[2][None], short[3], layer=0, interpret=True)
 
 
 def test_poison_shows_unwritten_outputs():
@@ -152,7 +182,7 @@ def test_poison_shows_unwritten_outputs():
   shape = TEST_ATTENTION["tiny_mha_b1_s128"]
   q, k, v, lengths = _inputs(shape)
   q_rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
-  acc, l = da._attention_call(lambda *refs, **kw: None, (lengths, lengths), q_rows, k, v,
+  acc, l = da._attention_call(lambda *refs, **kw: None, (lengths, lengths), q_rows, k, v, None,
                               num_out=2, sm_scale=1.0, group=1, tokens=1, cfg=BLOCKS,
                               interpret=True, poison=True)
   assert np.isnan(acc).all() and np.isnan(l).all()
