@@ -53,15 +53,18 @@ class Analysis:
 
 
 def analyze(cfg, batch: int = 1, context: int = 4096, sockets=(1, 2, 4, 8, 16), *, hbm_tb_s: float = 1.8,
-            gpu_name: str = "h200") -> Analysis:
+            gpu_name: str = "h200", constants: str = "published", n_gpus: int = 1) -> Analysis:
     """Trace the decode step of `cfg`, map it on each socket count, simulate looped and unlooped, and
-    estimate the GPU; `result` is the JSON object of `jaxdecode rdu --json`."""
-    hw = sn40l(hbm_tb_s)
+    estimate the GPU (`n_gpus` tensor parallel); `constants` picks the published or the fitted free
+    constants (rdu/fitted.json); `result` is the JSON object of `jaxdecode rdu --json`."""
+    hw = sn40l(hbm_tb_s, constants)
     graph = trace_decode_step(cfg, batch, context)
-    result = {"model": cfg.name, "batch": batch, "context": context, "hardware": hw.name,
-              "gflop_per_step": graph.total_flops() / 1e9, "gb_per_step": graph.fused_bytes / 1e9, "sn40l": []}
+    result = {"model": cfg.name, "batch": batch, "context": context, "hardware": hw.name, "constants": constants,
+              "n_gpus": n_gpus, "gflop_per_step": graph.total_flops() / 1e9, "gb_per_step": graph.fused_bytes / 1e9,
+              "sn40l": []}
     lines = [f"{cfg.name} B={batch} S={context}: {graph.total_flops() / 1e9:.2f} GFLOP, "
-             f"{graph.fused_bytes / 1e9:.2f} GB per step; {hw.name}"]
+             f"{graph.fused_bytes / 1e9:.2f} GB per step; {hw.name}; {constants} constants"
+             + (" (rdu/fitted.json)" if constants == "fitted" else " (rdu/hardware.py)")]
     runs = []
     for p in sockets:
         try:
@@ -79,15 +82,16 @@ def analyze(cfg, batch: int = 1, context: int = 4096, sockets=(1, 2, 4, 8, 16), 
         result["sn40l"].append({"sockets": p, "fits": True, "looped": on.as_dict(), "unlooped": off.as_dict(),
                                 "kl_speedup": off.per_token_s / on.per_token_s})
         runs.append(SocketRun(p, m, on, off))
-    spec = gpu(gpu_name)
+    spec = gpu(gpu_name, constants)
     unrolled = trace_decode_step(cfg, batch, context, looped=False)
     result["gpu"] = {}
     estimates = {}
     for mode in GPU_REPORT_MODES:
-        e = gpu_estimate(unrolled, spec, batch=batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode)
-        note = "" if graph.fused_bytes <= spec.hbm_bytes else f"  (does not fit {spec.hbm_bytes / 1e9:.0f} GB HBM)"
-        lines.append(f"  {spec.name} {mode:9s}: {e.ms_per_token:8.3f} ms ({e.tok_s:8.1f} tok/s, "
-                     f"{e.calls_per_token} kernels){note}")
+        e = gpu_estimate(unrolled, spec, batch=batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode, n_gpus=n_gpus)
+        fits = graph.fused_bytes / n_gpus <= spec.hbm_bytes
+        note = "" if fits else f"  (does not fit {spec.hbm_bytes / 1e9:.0f} GB HBM per GPU)"
+        lines.append(f"  {spec.name} x{n_gpus} {mode:9s}: {e.ms_per_token:8.3f} ms ({e.tok_s:8.1f} tok/s, "
+                     f"{e.calls_per_token} kernels per GPU){note}")
         result["gpu"][mode] = e.as_dict()
         estimates[mode] = e
     return Analysis(cfg, batch, context, hw, spec, graph, unrolled, runs, estimates, result, lines)

@@ -1,6 +1,7 @@
 """`jaxdecode rdu`: decode time of a preset on modeled SN40L sockets (looped and not) and on a GPU.
 
     jaxdecode rdu --model llama-3.1-8b --batch 1 --context 4096 --sockets 1,2,4,8,16 --hbm-tb-s 1.8 --gpu h200
+    jaxdecode rdu --model llama-3.1-8b --batch 8 --context 1024 --gpus 2 --constants fitted
     jaxdecode rdu --validate          # published / measured numbers vs the model (published and fitted constants)
     jaxdecode rdu --model llama-3.1-70b --html report.html --png report.png
 
@@ -13,7 +14,7 @@ import argparse
 import json
 import sys
 
-from rdu.hardware import SN40L_HBM_CHOICES
+from rdu.hardware import CONSTANTS, SN40L_HBM_CHOICES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,6 +26,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hbm-tb-s", type=float, default=1.8, choices=sorted(SN40L_HBM_CHOICES),
                    help="SN40L HBM bandwidth per socket (published: 1.6, 1.8, 2.0)")
     p.add_argument("--gpu", default="h200", choices=("h100", "h200"))
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of one node, tensor parallel (1..8)")
+    p.add_argument("--constants", default="published", choices=CONSTANTS,
+                   help="free constants: published/assumed (rdu/hardware.py) or fitted (rdu/fitted.json)")
     p.add_argument("--validate", action="store_true", help="print the validation table and exit")
     p.add_argument("--json", action="store_true")
     p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report (graph, mapping, timeline)")
@@ -64,7 +68,11 @@ def run(args) -> int:
         return _fail(str(e))
     if args.batch < 1 or args.context < 1 or not sockets or any(not 1 <= s <= 16 for s in sockets):
         return _fail("need --batch >= 1, --context >= 1 and socket counts in 1..16")
-    a = analyze(cfg, args.batch, args.context, sockets, hbm_tb_s=args.hbm_tb_s, gpu_name=args.gpu)
+    n_gpus = getattr(args, "gpus", 1)
+    if not 1 <= n_gpus <= 8:
+        return _fail(f"--gpus must be in 1..8 (one node), got {n_gpus}")
+    a = analyze(cfg, args.batch, args.context, sockets, hbm_tb_s=args.hbm_tb_s, gpu_name=args.gpu,
+                constants=getattr(args, "constants", "published"), n_gpus=n_gpus)
     if not a.fitting:  # no socket count asked for holds the model: say why (the first reason), exit 2
         return _fail(a.runs[0].reason)
     for line in a.lines:

@@ -91,13 +91,22 @@ class GPUSpec(_Sourced):
     hbm_bw: float  # spec peak bytes/s
     read_bw: float  # measured or assumed achievable read ceiling
     copy_bw: float  # bytes (read + written) / s of a device-to-device copy
-    gemv_efficiency: float  # decode matmul bandwidth / read ceiling
+    gemv_efficiency: float  # matmul read bandwidth / read ceiling at M = 1 (XLA's matrix-vector path)
+    gemm_efficiency: float  # the same at 2 <= M (cuBLAS flat GEMM); compute-bound past the ridge (M ~ 200)
     attention_efficiency: float  # decode attention (XLA einsum softmax) bandwidth / read ceiling
     kernel_overhead_s: float  # gap + launch per kernel when kernels are queued back to back
     eager_op_s: float  # host dispatch per op in PyTorch eager mode
     nvlink_bw: float  # bytes/s per GPU, one direction
     allreduce_latency_s: float  # small-message all-reduce across the GPUs of one node
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+    def matmul_efficiency(self, m: int) -> float:
+        """Achieved read-bandwidth fraction of a decode matmul with M = m rows (M = batch at T = 1).
+
+        M = 1 runs XLA's matrix-vector code path; 2 <= M runs a GEMM whose bandwidth is flat in M
+        (cuBLAS: 85-89% of read at M = 1..128). Past M ~ 200 the matmul is compute-bound, which the
+        callers' max(bytes / bandwidth, flops / achieved_flops) models (cuBLAS M = 256: 2.71 TB/s)."""
+        return self.gemv_efficiency if m == 1 else self.gemm_efficiency
 
 
 def sn40l(hbm_tb_s: float = 1.8, constants: str = "published") -> RDUSpec:
@@ -154,7 +163,7 @@ def _sn40l(hbm_tb_s: float) -> RDUSpec:
 
 H200 = GPUSpec(
     name="NVIDIA H200 SXM", hbm_bytes=141 * 10**9, bf16_flops=989e12, achieved_flops=784e12, hbm_bw=4.8e12,
-    read_bw=4246e9, copy_bw=4275e9, gemv_efficiency=0.87, attention_efficiency=0.265,
+    read_bw=4246e9, copy_bw=4275e9, gemv_efficiency=0.80, gemm_efficiency=0.87, attention_efficiency=0.71,
     kernel_overhead_s=3e-6, eager_op_s=5e-6, nvlink_bw=450e9, allreduce_latency_s=10e-6,
     sources=(
         ("hbm_bytes", "NVIDIA H200 datasheet: 141 GB HBM3e"),
@@ -163,14 +172,20 @@ H200 = GPUSpec(
         ("hbm_bw", "NVIDIA H200 datasheet: 4.8 TB/s"),
         ("read_bw", "h200-anchors.md: 4246 GB/s measured read ceiling (sum over 4 GiB)"),
         ("copy_bw", "h200-anchors.md: 4275 GB/s device-to-device copy (read + written)"),
-        ("gemv_efficiency", "h200-anchors.md: cuBLAS K=4096 N=14336 M=1..128 at 3.62-3.77 TB/s = 85-89% of read"),
-        ("attention_efficiency", "h200-anchors.md: XLA einsum decode attention 1124-1131 GB/s at B8 S32768 / "
-                                 "B32 S8192 = 26.5% of read"),
+        ("gemv_efficiency", "BENCHMARKS.md kernels table: XLA unrolled 32 x [4096, 14336] at M=1, 80% of read; "
+                            "in the whole step XLA's M=1 path is slower (the fit lowers it on batch-1 rows)"),
+        ("gemm_efficiency", "h200-anchors.md: cuBLAS K=4096 N=14336 M=1..128 at 3.62-3.77 TB/s = 85-89% of read "
+                            "(M=256: 2.71 TB/s, compute-bound)"),
+        ("attention_efficiency", "BENCHMARKS.md kernels (KERNELS_RESULTS.md): XLA einsum decode attention, time vs "
+                                 "K+V bytes over B1 S8192 / B1 S32768 / B32 S8192 (38.6, 71.5, 389 us) has slope "
+                                 "3.06 TB/s = 71% of read (+28 us per call, the kernels' own overheads); "
+                                 "h200-anchors.md's 26.5% is host-clock timed (rdu.anchors.CONFLICTS)"),
         ("kernel_overhead_s", "assumed 3 us: gap between back-to-back queued CUDA kernels (launch ~2-4 us); not "
                               "measured here"),
         ("eager_op_s", "assumed 5 us: PyTorch eager host dispatch per op (commonly quoted 3-10 us)"),
         ("nvlink_bw", "NVIDIA H200 SXM: NVLink 900 GB/s bidirectional"),
-        ("allreduce_latency_s", "assumed 10 us: NCCL small-message all-reduce on one NVLink node"),
+        ("allreduce_latency_s", "assumed 10 us per all-reduce call: NCCL small-message all-reduce within one "
+                                "NVLink node (nccl-tests commonly report ~10-20 us; no measurement in reference/)"),
     ))
 
 H100 = replace(
@@ -188,7 +203,7 @@ H100 = replace(
 GPUS = {"h100": H100, "h200": H200}
 
 
-GPU_FREE = ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "attention_efficiency")
+GPU_FREE = ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency", "attention_efficiency")
 
 
 def gpu(name: str, constants: str = "published") -> GPUSpec:

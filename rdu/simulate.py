@@ -14,7 +14,9 @@ so an iteration costs max(memory, compute + communication). Without looping each
 pays launch + boundary + max(memory, compute) + communication (the all-reduce ends the call).
 
 The GPU mode counts kernels from the same traced graph (one per op in eager mode, XLA-style fusion
-otherwise) and charges each a fixed overhead, plus bytes at measured achieved bandwidths.
+otherwise) and charges each a fixed overhead, plus max(bytes at measured achieved bandwidths, FLOPs at
+the achieved matmul rate); the matmul bandwidth depends on M = batch (`GPUSpec.matmul_efficiency`).
+With n GPUs it models Megatron tensor parallelism (`gpu_kernel_terms`).
 """
 
 from __future__ import annotations
@@ -150,11 +152,63 @@ def eager_kernel_count(nodes) -> int:
     return sum(1 for n in nodes if n.kind in STAGE_KINDS or n.op in EAGER_DATA_OPS)
 
 
+def gpu_allreduce_s(nbytes: float, p: int, gpu: GPUSpec) -> float:
+    """One NCCL all-reduce of `nbytes` over p GPUs of one node: a fixed call latency plus the ring's
+    2 (p-1)/p bytes through each GPU's NVLink (one direction)."""
+    return 0.0 if p <= 1 else gpu.allreduce_latency_s + 2 * (p - 1) / p * nbytes / gpu.nvlink_bw
+
+
+def gpu_allgather_s(nbytes: float, p: int, gpu: GPUSpec) -> float:
+    """All-gather of a `nbytes` result sharded over p GPUs: latency plus (p-1)/p bytes per GPU."""
+    return 0.0 if p <= 1 else gpu.allreduce_latency_s + (p - 1) / p * nbytes / gpu.nvlink_bw
+
+
+@dataclass(frozen=True)
+class GPUKernelTerms:
+    """What one kernel of a traced step costs per GPU, before the free constants are applied."""
+
+    count: int  # GPU kernels launched per call
+    weight_bytes: float  # per GPU, read at the matmul efficiency
+    kv_bytes: float  # KV cache read per GPU, at the attention efficiency
+    other_bytes: float  # KV write + activations, at the read ceiling
+    copy_bytes: float  # bytes (read + written) of the scan's weight copies, at the copy bandwidth
+    compute_s: float  # FLOPs per GPU at the achieved matmul rate
+    comm_s: float  # all-reduces (decoder layer) or the logits all-gather (classifier)
+
+
+def gpu_kernel_terms(k: Kernel, gpu: GPUSpec, *, mode: str, n_gpus: int, kv_heads: int, activation_bytes: int,
+                     logits_bytes: int = 0, kernels_per_layer: int | None = None) -> GPUKernelTerms:
+    """Tensor parallelism over `n_gpus` (Megatron): every weight (projections, MLP, the vocab-sharded LM
+    head) is split n ways, the KV cache over min(n, kv_heads) shards (heads are replicated past that),
+    activations are whole on every GPU; each layer all-reduces [B, D] twice, the classifier all-gathers
+    the [B, V] logits."""
+    if mode == "fixed" and k.is_layer:
+        count = kernels_per_layer or 10
+    elif k.role == "sampling":
+        count = 1
+    else:
+        count = eager_kernel_count(k.nodes) if mode == "eager" else xla_kernel_count(k.nodes)
+    kv_shards = min(n_gpus, kv_heads)
+    w = k.weight_bytes / n_gpus
+    if k.is_layer:
+        comm = ALLREDUCES_PER_LAYER * gpu_allreduce_s(activation_bytes, n_gpus, gpu)
+    elif k.role == "classifier":
+        comm = gpu_allgather_s(logits_bytes, n_gpus, gpu)
+    else:
+        comm = 0.0
+    return GPUKernelTerms(count, w, k.cache_read_bytes / kv_shards, k.cache_write_bytes / kv_shards + k.other_bytes,
+                          2 * w if (mode == "scan_copy" and k.is_layer) else 0.0,
+                          k.flops / n_gpus / gpu.achieved_flops, comm)
+
+
 def simulate_gpu(kernels: list[Kernel], gpu: GPUSpec, *, batch: int, mode: str = "xla", n_gpus: int = 1,
-                 kv_heads: int = 8, activation_bytes: int = 0, kernels_per_layer: int | None = None,
-                 flops: int = 0) -> Estimate:
+                 kv_heads: int = 8, activation_bytes: int = 0, logits_bytes: int = 0,
+                 kernels_per_layer: int | None = None, flops: int = 0) -> Estimate:
     """Per-token decode time on `n_gpus` GPUs (tensor parallel) for the kernels of a traced step.
 
+    A kernel call costs count * overhead + max(memory, compute) + communication, where memory reads the
+    weights at `gpu.matmul_efficiency(batch)` (M = batch rows at one query token) and the KV cache at
+    the attention efficiency, and compute is FLOPs / achieved rate (it binds past M ~ 200).
     mode: "xla" (XLA-style fusion, one dispatch per token), "eager" (one kernel per op, host dispatch
     per op), "scan_copy" ("xla" plus the copy XLA makes of every stacked layer weight before its matmul:
     one extra read and write of every weight), "fixed" (`kernels_per_layer` kernels per layer, e.g.
@@ -162,29 +216,17 @@ def simulate_gpu(kernels: list[Kernel], gpu: GPUSpec, *, batch: int, mode: str =
     """
     if mode not in GPU_MODES:
         raise ValueError(f"mode must be one of {GPU_MODES}, got {mode!r}")
-    kv_shards = min(n_gpus, kv_heads)
     overhead = gpu.eager_op_s if mode == "eager" else gpu.kernel_overhead_s
+    eff = gpu.matmul_efficiency(batch)
     times = []
     for k in kernels:
         n = k.calls * k.iterations
-        if mode == "fixed" and k.is_layer:
-            count = kernels_per_layer or 10
-        elif k.role == "sampling":
-            count = 1
-        else:
-            count = eager_kernel_count(k.nodes) if mode == "eager" else xla_kernel_count(k.nodes)
-        w = k.weight_bytes / n_gpus
-        mem = (w / (gpu.gemv_efficiency * gpu.read_bw)
-               + k.cache_read_bytes / kv_shards / (gpu.attention_efficiency * gpu.read_bw)
-               + (k.cache_write_bytes / kv_shards + k.other_bytes) / gpu.read_bw)
-        if mode == "scan_copy" and k.is_layer:
-            mem += 2 * w / gpu.copy_bw
-        compute = k.flops / n_gpus / gpu.achieved_flops
-        comm = 0.0
-        if n_gpus > 1 and k.is_layer:
-            comm = ALLREDUCES_PER_LAYER * (gpu.allreduce_latency_s + 2 * activation_bytes / gpu.nvlink_bw)
-        it = count * overhead + max(mem, compute) + comm
-        times.append(KernelTime(k.name, count * n, 1, overhead, 0.0, mem, compute, comm, it, n * it))
+        t = gpu_kernel_terms(k, gpu, mode=mode, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes,
+                             logits_bytes=logits_bytes, kernels_per_layer=kernels_per_layer)
+        mem = (t.weight_bytes / (eff * gpu.read_bw) + t.kv_bytes / (gpu.attention_efficiency * gpu.read_bw)
+               + t.other_bytes / gpu.read_bw + t.copy_bytes / gpu.copy_bw)
+        it = t.count * overhead + max(mem, t.compute_s) + t.comm_s
+        times.append(KernelTime(k.name, t.count * n, 1, overhead, 0.0, mem, t.compute_s, t.comm_s, it, n * it))
     return Estimate(f"{gpu.name} x{n_gpus} {mode}", batch, sum(t.total_s for t in times), _model_bytes(kernels),
                     flops, n_gpus * gpu.hbm_bw, sum(t.calls for t in times), times)
 
@@ -195,10 +237,11 @@ def gpu_estimate(graph: DataflowGraph, gpu: GPUSpec, *, batch: int, dim: int, kv
     measured GPU rows time the forward step plus sampling inside the same dispatch)."""
     from rdu.mapping import fuse
 
-    kernels = [k for k in fuse(graph) if k.role != "sampling"]
-    est = simulate_gpu(kernels, gpu, batch=batch, mode=mode, n_gpus=n_gpus, kv_heads=kv_heads,
-                       activation_bytes=batch * dim * itemsize, flops=graph.total_flops(), **kw)
-    return est
+    all_kernels = fuse(graph)
+    logits = sum(k.other_bytes for k in all_kernels if k.role == "sampling")  # [B, V] logits
+    kernels = [k for k in all_kernels if k.role != "sampling"]
+    return simulate_gpu(kernels, gpu, batch=batch, mode=mode, n_gpus=n_gpus, kv_heads=kv_heads,
+                        activation_bytes=batch * dim * itemsize, logits_bytes=logits, flops=graph.total_flops(), **kw)
 
 
 def with_peak(est: Estimate, peak_bw: float) -> Estimate:

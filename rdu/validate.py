@@ -163,7 +163,7 @@ def table(rs: list[Row] | None = None) -> str:
 def h200_rows(constants: str = "published") -> list[Row]:
     """Our measured H200 step times (BENCHMARKS.md and h200-anchors.md; the rows rdu.fit uses) against
     the GPU mode of the reference simulator; `kind` says whether rdu.fit trained on the row."""
-    from rdu.fit import H200_ROWS
+    from rdu.anchors import H200_ROWS
 
     cfg = get_preset("llama-3.1-8b")
     spec = gpu("h200", constants)
@@ -174,6 +174,59 @@ def h200_rows(constants: str = "published") -> list[Row]:
         out.append(Row("h200", f"{r.what} ({r.mode}), ms/step", r.measured_ms, e.ms_per_token, r.source,
                        kind="fit row" if r.split == "train" else "held out", bound_pct=15.0))
     return out
+
+
+def predict_tp(model: str, batch: int, ctx: int, n_gpus: int, gpu_name: str = "h200", *,
+               constants: str = "fitted", mode: str = "xla") -> float:
+    """Predicted ms per decode step of `model` on `n_gpus` GPUs of one node (Megatron tensor parallel,
+    rdu.simulate.gpu_kernel_terms), batch `batch`, `ctx` cached tokens, XLA-style fusion."""
+    cfg = get_preset(model)
+    g = trace_decode_step(cfg, batch, ctx, looped=False)
+    spec = gpu(gpu_name, constants)
+    return gpu_estimate(g, spec, batch=batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode,
+                        n_gpus=n_gpus).ms_per_token
+
+
+def spread_rows(constants: str = "published") -> list[dict]:
+    """The model under each alternative of every conflicting anchor (rdu.anchors.CONFLICTS): for a
+    hardware constant, the estimate it gives; for a measured row, the model's Δ% against each value."""
+    from rdu.anchors import CONFLICTS
+
+    cfg8 = get_preset("llama-3.1-8b")
+    out = []
+    for tb in (v for v, _ in CONFLICTS["sn40l_hbm_tb_s"].alternatives):
+        on, _ = _rdu("llama-3.1-8b", 16, hbm_tb_s=tb, constants=constants)
+        out.append({"conflict": "sn40l_hbm_tb_s", "value": tb, "estimate": on.tok_s,
+                    "what": "SN40L-16 Llama-3.1-8B bs1 4K looped, tok/s"})
+    g4k = trace_decode_step(cfg8, 1, 4096, looped=False)
+    trt = gpu_estimate(g4k, gpu("h100", constants), batch=1, dim=cfg8.dim, kv_heads=8, mode="fixed", n_gpus=8,
+                       kernels_per_layer=10)
+    for peak in (v for v, _ in CONFLICTS["dgx_h100_peak_tb_s"].alternatives):
+        out.append({"conflict": "dgx_h100_peak_tb_s", "value": peak, "what": "DGX H100 model, % of peak",
+                    "estimate": 100 * trt.bytes_per_token / (peak * 1e12) / trt.per_token_s})
+    for tok_s in (v for v, _ in CONFLICTS["dgx_h100_8b_tp8_tok_s"].alternatives):
+        out.append({"conflict": "dgx_h100_8b_tp8_tok_s", "value": tok_s, "what": "DGX H100 model tok/s, Δ%",
+                    "estimate": 100 * (trt.tok_s - tok_s) / tok_s})
+    spec = gpu("h200", constants)
+    for name, batch, mode in (("h200_hf_eager_b1_ms", 1, "eager"), ("h200_hf_static_b1_ms", 1, "xla"),
+                              ("h200_unrolled_b8_ms", 8, "xla"), ("h200_unrolled_b32_ms", 32, "xla")):
+        e = gpu_estimate(trace_decode_step(cfg8, batch, 1024, looped=False), spec, batch=batch, dim=cfg8.dim,
+                         kv_heads=8, mode=mode)
+        for v, _ in CONFLICTS[name].alternatives:
+            out.append({"conflict": name, "value": v, "what": f"H200 model {e.ms_per_token:.3g} ms ({mode}), Δ%",
+                        "estimate": 100 * (e.ms_per_token - v) / v})
+    return out
+
+
+def spread_table(rs: list[dict]) -> str:
+    from rdu.anchors import CONFLICTS
+
+    lines = ["conflicting anchors (rdu.anchors.CONFLICTS): the model under each published value (* = chosen)"]
+    for r in rs:
+        c = CONFLICTS[r["conflict"]]
+        mark = "*" if r["value"] == c.chosen else " "
+        lines.append(f"  {r['conflict']:24s} {mark}{r['value']:9.4g} {c.unit[:40]:40s} {r['what']:42s} {r['estimate']:+9.4g}")
+    return "\n".join(lines)
 
 
 def max_err(rs: list[Row]) -> float:
@@ -193,7 +246,7 @@ def comparison_table() -> tuple[str, dict]:
     for name, sel in (("trace", lambda r: r.group == "trace"), ("sn40l", lambda r: r.group == "sn40l"),
                       ("gpu (published/anchor rows)", lambda r: r.group == "gpu"),
                       ("H200 measured, all", lambda r: r.group == "h200"),
-                      ("H200 measured, fit rows (batch 1)", lambda r: r.kind == "fit row"),
+                      ("H200 measured, fit rows (batch 1 + one b8)", lambda r: r.kind == "fit row"),
                       ("H200 measured, held out (batch 8, 32)", lambda r: r.kind == "held out")):
         a, b = [r for r in pub if sel(r)], [r for r in fit if sel(r)]
         summary[name] = {"rows": len(a), "published": {"mape_pct": mape(a), "max_abs_err_pct": max_err(a)},
@@ -201,6 +254,9 @@ def comparison_table() -> tuple[str, dict]:
         lines.append(f"{name:38s} {len(a):2d} rows: published constants MAPE {mape(a):5.1f}% max {max_err(a):5.1f}%"
                      f" | fitted MAPE {mape(b):5.1f}% max {max_err(b):5.1f}%")
     lines.append("issue target for the GPU mode vs measured H200 rows: >= 8 configurations, MAPE <= 8%, max <= 15%")
+    spread = spread_rows("fitted")
+    lines.append(spread_table(spread))
     data = {"rows": [dict(vars(a), delta_pct=a.delta_pct, within=a.within, fitted_model=b.model,
-                          fitted_delta_pct=b.delta_pct) for a, b in zip(pub, fit)], "summary": summary}
+                          fitted_delta_pct=b.delta_pct) for a, b in zip(pub, fit)], "summary": summary,
+            "spread": spread}
     return "\n".join(lines), data

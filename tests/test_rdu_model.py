@@ -130,8 +130,9 @@ def test_simulate_trivial_graph_by_hand():
 #   not measured here; the model is 38% too fast, i.e. it under-counts the GPU's fixed costs at TP8.
 # - KL "up to 2.2x": its configuration is not published; on one socket the model's best is 1.5x
 #   (Qwen2.5-0.5B); it passes 2.2x only from 2 sockets on.
-# - H200 batch 32: the model is 70% too fast; the measured step (17 ms) is not explained by weights +
-#   KV at the measured matmul/attention bandwidths (10 ms); the missing cost is not identified.
+# - H200 batch 32 (h200-anchors' plain-JAX peer, 17.2 ms): the model gives 7.7 ms; our own engine measures
+#   6.65 ms for the same configuration (BENCHMARKS.md suite), so the two sources conflict
+#   (rdu.anchors.CONFLICTS, reported by `jaxdecode rdu --validate`).
 KNOWN_MISSES = {"DGX H100 TRT-LLM, Llama-3.1-8B bs1 4K: tok/s", "DGX H100: % of 24 TB/s",
                 "KL speedup, max over models, 1 socket (KL: up to 2.2x)", "H200 plain JAX unrolled, batch 32, tok/s"}
 
