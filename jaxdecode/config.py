@@ -41,6 +41,9 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on the q, k and v projections
+    # Tensor parallelism (jaxdecode.tp): the mesh axis to psum over after o_proj and down_proj, set on
+    # a per-device shard's config only. None (always, outside tp.py): no collective.
+    tp_axis: str | None = None
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):

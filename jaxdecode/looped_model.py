@@ -8,8 +8,9 @@ per-step stacking or copying. One plan is traced per input shape (prefill and de
 Modes (`LOOP_MODES`): "slice" (the scan slices the stacks), "whole" (the body takes row i with
 `dynamic_index_in_dim`), "inplace" ("whole" plus the in-place hooks: the layer's `x @ W` dots read
 W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel (`kernel_stacked_dot`),
-the KV cache is written in place in the scan carry, and attention (the model's `sdpa` call) reads
-layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks "inplace" on
+the model's `swiglu` call runs as one two-weight kernel (`kernel_swiglu`), the KV cache is written
+in place in the scan carry, and attention (the model's `sdpa` call) reads layer i of the stacked
+cache in place with `kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks "inplace" on
 a GPU and "slice" elsewhere: on a GPU XLA copies each W[i] out of its stack before a dot.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kernels import decode_attention, dispatch, flat_gemm
@@ -38,28 +40,59 @@ def default_loop_mode() -> str:
     return "inplace" if jax.default_backend() == "gpu" else "slice"
 
 
+def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes, weights: int = 1) -> str | None:
+    """The flat-GEMM kernel `kernels.dispatch` picks for a looped x [M, K] · W[i] ([K, N]), or None
+    where XLA's dot should run (off Hopper, shapes the kernels do not tile, inputs not 16-bit, or
+    Mosaic pipeline stages of x and `weights` weight tiles that do not fit in shared memory)."""
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        return None
+    impl = dispatch.choose_gemm(m, n, k, looped=True, block_sizes=block_sizes).impl
+    m8 = -(-m // 8) * 8
+    stage_bytes = block_sizes.tile_k * (m8 + weights * block_sizes.tile_n) * jnp.dtype(dtype).itemsize
+    if impl == "xla" or (impl == "mosaic" and 2 * stage_bytes > block_sizes.smem_bytes):
+        return None
+    return impl
+
+
 def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
                        block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(), interpret: bool = False):
     """The `stacked_dot` hook of the engine: x [M, K] · stack[index] ([L, K, N]) with the stack
     read in place by `kernels.flat_gemm`, or None (the caller then runs the plain dot).
 
-    `impl=None` asks `kernels.dispatch.choose_gemm(looped=True)`, which says "xla" off Hopper and
-    for shapes the kernels do not tile; the kernels take 16-bit inputs only. An explicit `impl`
-    (tests: "triton" with `interpret=True`) skips both checks.
+    `impl=None` asks `kernels.dispatch.choose_gemm(looped=True)` (see `_gemm_impl`). An explicit
+    `impl` (tests: "triton" with `interpret=True`) skips the checks.
     """
     m, k = x.shape  # x [M, K]
     n = stack.shape[2]  # stack [L, K, N]
     if jnp.dtype(out_dtype) != x.dtype or x.dtype != stack.dtype:
         return None
-    if impl is None:
-        if x.dtype not in (jnp.bfloat16, jnp.float16):
-            return None
-        impl = dispatch.choose_gemm(m, n, k, looped=True, block_sizes=block_sizes).impl
-        m8 = -(-m // 8) * 8  # the Mosaic kernel needs 2 pipeline stages of x and W tiles in SMEM
-        if impl == "xla" or (impl == "mosaic" and 2 * 2 * block_sizes.tile_k * (m8 + block_sizes.tile_n)
-                             * x.dtype.itemsize > block_sizes.smem_bytes):
-            return None
+    if impl is None and (impl := _gemm_impl(m, n, k, x.dtype, block_sizes)) is None:
+        return None
     return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
+
+
+def kernel_swiglu(x, w_gate, w_up, *, impl: str | None = None,
+                  block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(), interpret: bool = False):
+    """The `stacked_calls["swiglu"]` hook: `model.swiglu` as one `kernels.flat_gemm_swiglu` call that
+    reads x once and both stacked weights in place (one launch instead of two GEMMs and the
+    elementwise product). x [..., D]; w_gate, w_up `StackedRef`s of [L, D, F] stacks. Returns
+    [y [..., F]], or None (then the two dots go through `kernel_stacked_dot` one by one). The
+    kernel computes silu·mul in f32 before one rounding; the model rounds g and u first.
+    """
+    if not (isinstance(w_gate, StackedRef) and isinstance(w_up, StackedRef)):
+        return None
+    d, f = w_gate.stack.shape[1:]
+    lead = x.shape[:-1]
+    m = int(np.prod(lead, dtype=int))
+    if x.dtype != w_gate.stack.dtype or x.dtype != w_up.stack.dtype:
+        return None
+    if impl is None:
+        impl = _gemm_impl(m, f, d, x.dtype, block_sizes, weights=2)
+        if impl not in ("mosaic", "triton"):  # the gemv path has no SwiGLU form
+            return None
+    y = flat_gemm.flat_gemm_swiglu(x.reshape(m, d), w_gate.stack, w_up.stack, w_gate.index, impl=impl,
+                                   block_sizes=block_sizes, interpret=interpret)
+    return [y.reshape(*lead, f)]
 
 
 MAX_ATTENTION_ROWS = 64  # T·G query rows per kv head the attention kernel takes (decode, short chunks)
@@ -105,14 +138,16 @@ class LoopedForward:
     """forward(params, tokens, positions, cache) with the layers run as one `lax.scan`."""
 
     def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None,
-                 attention=None):
+                 attention=None, swiglu=None):
         if mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {mode!r}")
         self.cfg = cfg
         self.mode = mode
         self.index_mode = "slice" if mode == "slice" else "whole"
         self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
-        self._attention = (attention or kernel_attention) if mode == "inplace" else None
+        # in place: the model's `sdpa` and `swiglu` calls go to kernels (`jaxdecode.inplace`)
+        self._calls = {"sdpa": attention or kernel_attention, "swiglu": swiglu or kernel_swiglu} \
+            if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)
         self._plans: dict[tuple, LoopPlan] = {}
@@ -127,7 +162,7 @@ class LoopedForward:
             self._plans[key] = kernel_loop(self._forward, self._param_specs, int_spec, int_spec, kv, kv,
                                            index_mode=self.index_mode, packed_outputs=_PACKED_OUTPUTS,
                                            stacked_dot=self._stacked_dot,
-                                           stacked_calls={"sdpa": self._attention} if self._attention else None)
+                                           stacked_calls=self._calls)
         return self._plans[key]
 
     def pack_params(self, params) -> Packed:

@@ -4,6 +4,9 @@ Parameter names follow the Hugging Face checkpoint names (`embed_tokens`, `layer
 `mlp.gate_proj`, `input_layernorm`, ...) so that loaders need no table. One difference: linear weights
 are stored as [in, out] (x @ weight), the transpose of the checkpoint's [out, in].
 
+Tensor parallelism (`jaxdecode.tp`) runs this same model on a per-device shard config; its
+`tp_axis` makes attention psum after o_proj and the MLP psum after down_proj (off by default).
+
 The layer loop is a plain Python loop. Each layer is applied through `decoder_layer_call`, one
 module-level `jax.jit` function, so every layer call appears in the jaxpr as a call of the same jaxpr:
 that is the call boundary the kernel-looping pass (`jaxdecode.looping`) finds and turns into a scan.
@@ -119,7 +122,10 @@ class Attention(nnx.Module):
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])  # [B, S, K, H]
 
         out = sdpa(q, k_cache, v_cache, positions).reshape(b, t, cfg.q_dim)  # [B, T, N*H]
-        return self.o_proj(out), k_cache, v_cache
+        out = self.o_proj(out)  # [B, T, D]
+        if cfg.tp_axis is not None:  # tensor parallel: each device's heads give a partial sum
+            out = jax.lax.psum(out, cfg.tp_axis)
+        return out, k_cache, v_cache
 
 
 @jax.jit
@@ -143,6 +149,13 @@ def sdpa(q: Array, k_cache: Array, v_cache: Array, positions: Array) -> Array:
         return out.astype(q.dtype).reshape(b, t, n, h)  # [B, T, N, H]
 
 
+@jax.jit
+def swiglu(x: Array, w_gate: Array, w_up: Array) -> Array:
+    """silu(x @ w_gate) * (x @ w_up): x [..., D], weights [D, F] -> [..., F]. One module-level jitted
+    function, so the in-place looped decode can run it as one two-weight kernel (`kernel_swiglu`)."""
+    return jax.nn.silu(x @ w_gate) * (x @ w_up)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -150,9 +163,13 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(cfg.dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(cfg.ffn_dim, cfg.dim, dtype=dtype, rngs=rngs)
+        self.tp_axis = cfg.tp_axis
 
     def __call__(self, x: Array) -> Array:  # x: [B, T, D]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, D]
+        out = self.down_proj(swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...]))  # [B, T, D]
+        if self.tp_axis is not None:  # tensor parallel: each device's F/tp columns give a partial sum
+            out = jax.lax.psum(out, self.tp_axis)
+        return out
 
 
 class DecoderLayer(nnx.Module):

@@ -13,7 +13,7 @@ from jax import lax
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
 from jaxdecode.inplace import output_aliases
-from jaxdecode.looped_model import LoopedForward, kernel_attention, kernel_stacked_dot
+from jaxdecode.looped_model import LoopedForward, kernel_attention, kernel_stacked_dot, kernel_swiglu
 from jaxdecode.looping import kernel_loop
 from jaxdecode.model import init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
@@ -26,6 +26,7 @@ interpret_dot = functools.partial(kernel_stacked_dot, impl="triton", block_sizes
 # The decode attention kernel in interpret mode; block_k 16 divides the engine's 64-aligned caches.
 interpret_attention = functools.partial(kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2),
                                         interpret=True)
+interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
 
 
 def _plain_dot(x, stack, i, out_dtype):  # reads W[i] with a dynamic slice: the same values as a dot on the row
@@ -154,10 +155,10 @@ def tiny():
     return init_random(get_preset("tiny-gqa"))
 
 
-def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention):
+def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu):
     engine = Engine(model, loop_mode="inplace")
     engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
-    engine._plan._attention = attention
+    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu}
     return engine
 
 
@@ -213,6 +214,9 @@ def test_engine_inplace_cache_never_copied(tiny):
     assert len(stacks) == 2
     uses = _stack_uses(body, stacks, {})
     assert uses == {"scatter": 2, "reshape": 2, "pallas_call": 1}, uses  # K, V: write, flatten, one read
+    calls = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
+    assert calls.count("decode_attention_sync") == 1 and calls.count("flat_gemm_swiglu") == 1, calls
+    assert calls.count("flat_gemm") == 5, calls  # q, k, v, o and down: every other dot reads in place
     # and with the attention hook declining, the read is one row slice per cache (no whole-row write)
     body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attention=lambda *args: None)))
     names = [e.primitive.name for e in body.eqns]
