@@ -68,6 +68,7 @@ class DecodeMeasurement:
     batch: int
     prompt_len: int
     new_tokens: int
+    tp: int  # devices the model is split over
     first_call_s: float  # trace + compile + prefill + decode of the first run
     prefill_ms: float
     decode_ms_per_step: float
@@ -94,7 +95,7 @@ def measure_decode(engine: Engine, *, model_name: str, batch: int = 1, prompt_le
     moved = decode_cost(engine.cfg, batch=batch, context=prompt_len + new_tokens // 2, itemsize=itemsize).bytes
     return DecodeMeasurement(
         model=model_name, variant="looped" if engine.loop_layers else "unrolled", backend=jax.default_backend(),
-        device=device_name(), batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+        device=device_name(), batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, tp=engine.tp,
         first_call_s=round(first_call, 3), prefill_ms=round(gen.prefill_s * 1e3, 2),
         decode_ms_per_step=round(step_s * 1e3, 3), decode_tok_s=round(batch / step_s, 2),
         weight_gb_s=round(moved / step_s / 1e9, 2), date=time.strftime("%Y-%m-%d"),
@@ -419,6 +420,8 @@ def run_cli_bench(args) -> int:
     timing of the looped engine (and with --compare-unrolled the unrolled one) on the given model."""
     if args.suite or args.models or args.batches or args.contexts or args.peers is not None or args.out \
             or args.dry_run or args.budget_s is not None:
+        if args.tp != 1:
+            raise ValueError("--tp works in plain `jaxdecode bench` only, not with the suite flags")
         plan = suite_plan(args)
         plan.validate()
         if args.dry_run:
@@ -443,18 +446,23 @@ def _run_plain(args) -> int:
     batch, prompt_len, new_tokens = args.batch or 1, args.prompt_len or 32, args.max_new_tokens
     if batch < 1 or prompt_len < 1 or new_tokens < 2:
         raise ValueError("need --batch >= 1, --prompt-len >= 1 and --max-new-tokens >= 2")
-    loaded = load_model(args.model, dtype=default_dtype())
     variants = [not args.no_loop] + ([False] if args.compare_unrolled and not args.no_loop else [])
+    loaded = load_model(args.model, dtype=default_dtype()) if args.tp == 1 else None
     rows = []
     for loop in variants:
-        engine = Engine(loaded.model, loop_layers=loop)
+        if args.tp == 1:
+            engine = Engine(loaded.model, loop_layers=loop)
+        else:  # random presets are made directly on the devices, split
+            from jaxdecode.tp import load_engine
+
+            engine = load_engine(args.model, args.tp, loop_layers=loop)[0]
         rows.append(measure_decode(engine, model_name=args.model, batch=batch, prompt_len=prompt_len,
                                    new_tokens=new_tokens))
     table = Table(title=f"decode, {rows[0].device}, {rows[0].date}")
     for col in ("variant", "batch", "first call s", "prefill ms", "ms/step", "tok/s", "GB/s"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.variant, str(r.batch), f"{r.first_call_s:.2f}", f"{r.prefill_ms:.1f}",
+        table.add_row(r.variant + (f" tp{r.tp}" if r.tp > 1 else ""), str(r.batch), f"{r.first_call_s:.2f}", f"{r.prefill_ms:.1f}",
                       f"{r.decode_ms_per_step:.2f}", f"{r.decode_tok_s:.1f}", f"{r.weight_gb_s:.1f}")
     Console(file=sys.stderr).print(table)
     for r in rows:

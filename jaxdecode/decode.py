@@ -69,23 +69,41 @@ class Engine:
     layers run as one `lax.scan` over stacked weights; False keeps them unrolled, for comparison.
     `loop_mode` picks how the scan reads the stacks (`looped_model.LOOP_MODES`); None: in place
     through kernels on a GPU, sliced by the scan elsewhere.
+    `tp` > 1 splits the model over that many devices (tensor parallelism, `jaxdecode.tp`); a built
+    `tp.TPForward` may be passed instead (then `model` may be None and its loop settings apply).
     """
 
-    def __init__(self, model: Transformer, *, loop_layers: bool = True, cache_dtype=None,
-                 loop_mode: str | None = None):
+    def __init__(self, model: Transformer | None, *, loop_layers: bool = True, cache_dtype=None,
+                 loop_mode: str | None = None, tp=1):
+        self._plan = self._tp = None
+        if not (isinstance(tp, int) and tp == 1):
+            from jaxdecode.tp import TPForward
+
+            self._tp = tp if isinstance(tp, TPForward) else TPForward.from_model(
+                model, tp, loop_layers=loop_layers, loop_mode=loop_mode or default_loop_mode())
+            self.cfg, self.loop_layers, self.graphdef = self._tp.cfg, self._tp.loop_layers, self._tp.graphdef
+            self.cache_dtype, self.params = cache_dtype or self._tp.dtype, self._tp.params
+        else:
+            self._init_one_device(model, loop_layers, cache_dtype, loop_mode)
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)
+        self._chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
+        self._executables: dict = {}  # ahead-of-time compiled steps, so that timings exclude compilation
+
+    @property
+    def tp(self) -> int:
+        """Devices the model is split over (1: not split)."""
+        return self._tp.tp if self._tp is not None else 1
+
+    def _init_one_device(self, model: Transformer, loop_layers: bool, cache_dtype, loop_mode: str | None):
         self.cfg = model.cfg
         self.loop_layers = loop_layers
         self.graphdef, params = nnx.split(model)
         self.cache_dtype = cache_dtype or model.embed_tokens.embedding.dtype
-        self._plan = None
         if loop_layers:
             self._plan = LoopedForward(self.graphdef, params, self.cfg, mode=loop_mode or default_loop_mode())
             self.params = self._plan.pack_params(params)
         else:
             self.params = params
-        self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)
-        self._chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
-        self._executables: dict = {}  # ahead-of-time compiled steps, so that timings exclude compilation
 
     def _compiled(self, jitted, *args, timings: dict, **static):
         """The compiled executable of `jitted` for these argument shapes (compiled once, timed)."""
@@ -101,12 +119,16 @@ class Engine:
 
     def forward(self, params, tokens: Array, positions: Array, cache):
         """Logits [B, T, V] and the new cache, for tokens and positions [B, T]."""
+        if self._tp is not None:
+            return self._tp.forward(params, tokens, positions, cache)
         if self._plan is not None:
             return self._plan.forward(params, tokens, positions, cache)
         logits, k, v = nnx.merge(self.graphdef, params)(tokens, positions, cache.k, cache.v)
         return logits, KVCache(k, v)
 
     def new_cache(self, batch: int, length: int):
+        if self._tp is not None:
+            return self._tp.new_cache(batch, length, self.cache_dtype)
         cache = KVCache.init(self.cfg, batch, length, self.cache_dtype)
         return self._plan.pack_cache(cache) if self._plan is not None else cache
 

@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxdecode.looping_find import callee_name, callee_of
+from jaxdecode.looping_find import callee_name, callee_of, side_effects
 
 # stacked_dot(x [M, K], stack [L, K, N], index int32[], out_dtype) -> y [M, N] of out_dtype, or None
 StackedDot = Callable[[jax.Array, jax.Array, jax.Array, Any], "jax.Array | None"]
@@ -108,7 +108,7 @@ class RefEvaluator:
 
     def _eval_with_refs(self, eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
         callee = callee_of(eqn)
-        if callee is not None and not eqn.effects:
+        if callee is not None and not side_effects(eqn):
             hook = self.stacked_calls.get(callee_name(eqn))
             with self._context(eqn):
                 outs = hook(*invals) if hook is not None else None

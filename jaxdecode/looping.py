@@ -75,7 +75,7 @@ from jax.extend import core as jcore
 from jaxdecode.looping_eval import (Packed, PackLayout, _Analysis, _as_stack, _Interpreter, _materialize,
                                     _stack_spec)
 from jaxdecode.inplace import StackedCall, StackedDot, StackedRef
-from jaxdecode.looping_find import Run, callee_of
+from jaxdecode.looping_find import Run, callee_of, side_effects
 from jaxdecode.looping_report import InputReport, LoopReport, RunReport, aval_str
 
 __all__ = ["INDEX_MODES", "LoopPlan", "Packed", "PackLayout", "StackedDot", "StackedRef", "kernel_loop", "layer"]
@@ -95,7 +95,7 @@ def layer(fn: Callable | None = None, *, static_argnums=(), static_argnames=()):
 def _peel(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """Look through jit calls that wrap the whole function (`kernel_loop(jax.jit(step), ...)`)."""
     while (len(jaxpr.eqns) == 1 and not jaxpr.consts and jaxpr.eqns[0].primitive.name in ("jit", "pjit")
-           and callee_of(jaxpr.eqns[0]) is not None and not jaxpr.eqns[0].effects
+           and callee_of(jaxpr.eqns[0]) is not None and not side_effects(jaxpr.eqns[0])
            and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
            and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)):
         jaxpr = jaxpr.eqns[0].params["jaxpr"]

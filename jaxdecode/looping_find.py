@@ -46,6 +46,13 @@ def callee_of(eqn: jcore.JaxprEqn) -> jcore.Jaxpr | None:
     return callee if isinstance(callee, jcore.Jaxpr) else None
 
 
+def side_effects(eqn: jcore.JaxprEqn) -> set:
+    """The effects of `eqn` that order something. A collective's `NamedAxisEffect` (the psums of a
+    tensor-parallel layer) only records that a mesh axis is used: `lax.scan` carries it, JAX's remat
+    ignores it, and a run of layer calls holding psums loops like any other."""
+    return {e for e in eqn.effects if type(e).__name__ != "NamedAxisEffect"}
+
+
 def callee_name(eqn: jcore.JaxprEqn) -> str:
     return str(eqn.params.get("name") or eqn.primitive.name)
 
@@ -287,15 +294,15 @@ def find_runs(jaxpr: jcore.Jaxpr, keys: StructuralKeys, where: str
 
     for i, eqn in enumerate(eqns):
         if not is_layer_call(eqn):
-            if cur is not None and eqn.effects:
-                finish(f"op `{eqn.primitive.name}` with side effects {set(eqn.effects)} between calls")
+            if cur is not None and side_effects(eqn):
+                finish(f"op `{eqn.primitive.name}` with side effects {side_effects(eqn)} between calls")
             elif cur is not None:
                 cur.add_between(i, eqn)
             continue
         name = callee_name(eqn)
-        if eqn.effects:
+        if side_effects(eqn):
             finish(f"call `{name}` with side effects between calls")
-            skip(eqn, f"side effects in the callee: {set(eqn.effects)}")
+            skip(eqn, f"side effects in the callee: {side_effects(eqn)}")
             continue
         key = keys.call(eqn)
         if cur is not None and cur.key == key:

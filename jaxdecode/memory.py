@@ -4,6 +4,10 @@
            + KV cache (2 * L * B * S * K * H * itemsize)
            + workspace (logits [B, V] in f32 and activations, with a 10% margin on the total)
 
+With tensor parallelism over tp devices (`jaxdecode.tp`) every number is per device: the weights and
+the cache of the shard config (N/tp, K/tp, F/tp, ceil(V/tp) rows; norms replicated), i.e. about
+total / tp, and the full gathered logits in the workspace.
+
 Known debt: packing for the looped engine holds the unstacked and the stacked weights at once, so
 the looped engine needs twice the weight bytes at load time.
 """
@@ -39,10 +43,16 @@ class MemoryEstimate:
 
 
 def estimate(cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096,
-             looped: bool = True) -> MemoryEstimate:
-    weights = cfg.n_params * itemsize
-    workspace = batch * cfg.vocab_size * 4 * 2 + 16 * batch * context * max(cfg.dim, cfg.ffn_dim) * 4 // 1024
-    return MemoryEstimate(weights, weights if looped else 0, cache_bytes(cfg, batch, context, itemsize), workspace)
+             looped: bool = True, tp: int = 1) -> MemoryEstimate:
+    """Bytes on one device; with tp > 1 those of one of tp devices (ValueError if tp cannot split cfg)."""
+    shard = cfg
+    if tp != 1:
+        from jaxdecode.tp import shard_config
+
+        shard = shard_config(cfg, tp)
+    weights = shard.n_params * itemsize
+    workspace = batch * cfg.vocab_size * 4 * 2 + 16 * batch * context * max(cfg.dim, shard.ffn_dim) * 4 // 1024
+    return MemoryEstimate(weights, weights if looped else 0, cache_bytes(shard, batch, context, itemsize), workspace)
 
 
 def device_memory_bytes(device=None) -> int:
@@ -55,11 +65,12 @@ def device_memory_bytes(device=None) -> int:
 
 
 def preflight(cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096, looped: bool = True,
-              available: int | None = None) -> MemoryEstimate:
-    """Raise ValueError with the numbers when the estimate exceeds the device's memory."""
-    est = estimate(cfg, itemsize=itemsize, batch=batch, context=context, looped=looped)
+              available: int | None = None, tp: int = 1) -> MemoryEstimate:
+    """Raise ValueError with the numbers when the estimate exceeds the device's memory (per device)."""
+    est = estimate(cfg, itemsize=itemsize, batch=batch, context=context, looped=looped, tp=tp)
     available = device_memory_bytes() if available is None else available
     if est.total > available:
-        raise ValueError(f"{cfg.name} does not fit: needs {est.describe()}, but the device has "
-                         f"{available / GB:.1f} GB")
+        where = f"each of {tp} devices" if tp > 1 else "the device"
+        raise ValueError(f"{cfg.name} does not fit: needs {est.describe()}{' per device' if tp > 1 else ''}, "
+                         f"but {where} has {available / GB:.1f} GB")
     return est

@@ -1,0 +1,309 @@
+"""Tensor-parallel (Megatron-style) decode over a 1-D device mesh with `jax.shard_map`.
+
+Every device runs our own `Transformer` forward on a shard config (`shard_config`): N/tp query heads,
+K/tp kv heads, F/tp ffn columns and ceil(V/tp) vocab rows, with `tp_axis` set, so that attention
+psums after o_proj and the MLP psums after down_proj (`jaxdecode.model`). The weights are sliced:
+
+    q/k/v_proj [D, N*H] and their biases: by columns (whole heads)   o_proj [N*H, D]: by rows
+    gate/up_proj [D, F]: by columns                                   down_proj [F, D]: by rows
+    embed_tokens [V, D]: by rows          lm_head [D, V]: by columns (vocab padded to a multiple of tp)
+    norms and RoPE frequencies: replicated                            KV cache [B, S, K, H]: by kv heads
+
+Contiguous head blocks keep GQA groups whole: device i holds q heads iN/tp.. and kv heads iK/tp..,
+and q head n still reads kv head n // G. The embedding is a masked local lookup + psum; the LM head
+gives local logits [B, T, V_pad/tp], all-gathered (tiled) to [B, T, V_pad] and cut to [B, T, V], so
+the zero-padded vocab rows never reach sampling. Per step: one psum of [B, T, D] for the embedding,
+two per layer, and one all-gather of the logits.
+
+With kernel looping the per-device forward goes through `looping.kernel_loop` like the one-device
+forward: the psums sit inside the layer calls, the calls stay identical, and they become one scan.
+The plan is traced inside a shard_map, where the axis name is bound.
+
+tp must divide n_heads, n_kv_heads and ffn_dim. The default model, SmolLM2-135M (9 heads, 3 kv
+heads), splits over 3 devices, not 2. On the CPU, fake devices come from
+XLA_FLAGS=--xla_force_host_platform_device_count=N (set before JAX starts).
+
+Known debt: `TPForward.from_model` needs the whole model on one device first; only random weights
+(`TPForward.random`) are made directly in place, shard by shard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before any NCCL communicator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdecode.cache import KVCache
+from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
+from jaxdecode.looped_model import LOOP_MODES, kernel_attention, kernel_stacked_dot, kernel_swiglu
+from jaxdecode.looping import LoopPlan, Packed, kernel_loop
+from jaxdecode.model import Transformer, decoder_layer_call, rope_cos_sin, rope_inv_freq
+
+AXIS = "tp"
+_PARAMS, _K, _V = 0, 3, 4  # argument positions of `TPForward._local_forward` that the loop plan packs
+
+
+def valid_tp(cfg: ModelConfig) -> list[int]:
+    """The device counts this config splits over: divisors of gcd(N, K, F)."""
+    g = math.gcd(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one of tp devices runs: N/tp, K/tp, F/tp, ceil(V/tp) and tp_axis set.
+
+    Raises ValueError naming the numbers when tp does not divide the heads or the ffn width.
+    """
+    if tp < 1:
+        raise ValueError(f"tensor parallelism needs tp >= 1, got {tp}")
+    if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.ffn_dim % tp:
+        raise ValueError(
+            f"{cfg.name} cannot be split over {tp} devices: n_heads ({cfg.n_heads}), n_kv_heads "
+            f"({cfg.n_kv_heads}) and ffn_dim ({cfg.ffn_dim}) must all be divisible by {tp}; "
+            f"tp in {valid_tp(cfg)} works")
+    return cfg.replace(name=f"{cfg.name}/tp{tp}", n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
+                       ffn_dim=cfg.ffn_dim // tp, head_dim=cfg.head_dim, vocab_size=-(-cfg.vocab_size // tp),
+                       tp_axis=AXIS)
+
+
+def make_mesh(tp: int, devices=None) -> Mesh:
+    """A 1-D mesh ("tp",) over the first tp devices; ValueError when there are fewer."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tp > len(devices):
+        hint = f"; on the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={tp}" \
+            if devices[0].platform == "cpu" else ""
+        raise ValueError(f"--tp {tp} needs {tp} devices, but JAX sees {len(devices)} "
+                         f"({devices[0].platform}){hint}")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def _partition(global_shape, local_shape) -> P:
+    """The spec that slices global_shape into local_shape: AXIS on each axis that shrinks."""
+    return P(*(AXIS if g != l else None for g, l in zip(global_shape, local_shape)))
+
+
+def _under_axis(mesh: Mesh, fn):
+    """fn(), called while a shard_map over `mesh` is traced, so that collectives over AXIS trace."""
+    out = []
+
+    def body(x):
+        out.append(fn())
+        return x
+
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
+                   jax.ShapeDtypeStruct((), jnp.float32))
+    return out[0]
+
+
+def _spec(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _vocab_axis(path: str) -> int | None:
+    """The vocab axis of a parameter by its path: rows of the embedding, columns of the LM head."""
+    return 0 if "embed_tokens" in path else 1 if "lm_head" in path else None
+
+
+class TPForward:
+    """forward(params, tokens, positions, cache) over tp devices: the Engine's tensor-parallel path.
+
+    Build it with `from_model` (slice a loaded model) or `random` (random weights made in place).
+    `params` are the global arrays (vocab padded), placed with NamedSharding; with `loop_layers`
+    they are packed (stacked [L, ...]) for the looped forward, like `LoopedForward.pack_params`.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: int, *, dtype, loop_layers: bool = True, loop_mode: str = "slice",
+                 devices=None):
+        if loop_mode not in LOOP_MODES:
+            raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {loop_mode!r}")
+        self.cfg, self.tp, self.dtype = cfg, tp, jnp.dtype(dtype)
+        self.shard_cfg = shard_config(cfg, tp)
+        self.mesh = make_mesh(tp, devices)
+        self.loop_layers, self.mode = loop_layers, loop_mode
+        local = nnx.eval_shape(lambda: Transformer(self.shard_cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        self.graphdef, local_state = nnx.split(local)
+        padded = cfg.replace(vocab_size=self.shard_cfg.vocab_size * tp)
+        _, self._global_specs = nnx.split(nnx.eval_shape(lambda: Transformer(padded, dtype=dtype, rngs=nnx.Rngs(0))))
+        self._local_specs = jax.tree.map(_spec, local_state)
+        self._plans: dict[tuple, LoopPlan] = {}
+        self.layout = self._plan(1, 1, 1, jnp.float32).layouts[_PARAMS] if loop_layers else None
+        global_p, local_p = self._packed(self._global_specs), self._packed(self._local_specs)
+        self.param_specs = jax.tree.map(lambda g, l: _partition(g.shape, l.shape), global_p, local_p)
+        self.param_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs)
+        self.params = None  # set by from_model / random
+
+    def _packed(self, tree):
+        return jax.eval_shape(lambda t: Packed.pack(t, self.layout), tree) if self.loop_layers else tree
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_model(cls, model: Transformer, tp: int, **kwargs) -> TPForward:
+        """Slice a model's weights over tp devices (the model stays as it is)."""
+        self = cls(model.cfg, tp, dtype=model.embed_tokens.embedding.dtype, **kwargs)
+        _, state = nnx.split(model)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+        if treedef != jax.tree.structure(self._global_specs):
+            raise ValueError(f"model structure differs from {model.cfg.name}'s")
+        unpacked_shardings = jax.tree.leaves(jax.tree.map(
+            lambda g, l: NamedSharding(self.mesh, _partition(g.shape, l.shape)), self._global_specs, self._local_specs))
+        placed = []
+        for (path, x), spec, sharding in zip(flat, jax.tree.leaves(self._global_specs), unpacked_shardings):
+            axis = _vocab_axis(jax.tree_util.keystr(path))
+            if axis is not None and x.shape[axis] != spec.shape[axis]:  # zero rows up to V_pad
+                x = jnp.pad(x, [(0, spec.shape[axis] - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+            placed.append(jax.device_put(x, sharding))
+        state = jax.tree.unflatten(treedef, placed)
+        if self.loop_layers:
+            state = jax.jit(lambda s: Packed.pack(s, self.layout), out_shardings=self.param_shardings)(state)
+        self.params = state
+        return self
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, tp: int, *, dtype, seed: int = 0, **kwargs) -> TPForward:
+        """Random weights made directly as shards on their devices, already packed: no full copy anywhere.
+
+        Values are a hash of (seed, global index): uniform with std 1/sqrt(fan_in) for projections
+        (1/sqrt(D) for the embedding), ones for norms, zeros for biases. They do not depend on tp (they
+        do differ between looped and unrolled, and from `init_random`).
+        """
+        self = cls(cfg, tp, dtype=dtype, **kwargs)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self._global_specs)
+        paths = [jax.tree_util.keystr(p) for p, _ in flat]
+        specs = [s for _, s in flat]
+
+        def make(i: int, shape, sharding):  # leaf i of the unpacked state, at shape (stacked or not)
+            path = paths[i]
+            if path.endswith("['inv_freq'].value"):
+                return jax.device_put(rope_inv_freq(cfg), sharding)
+            if "bias" in path or "norm" in path:
+                fill = 0.0 if "bias" in path else 1.0
+                return jax.jit(lambda: jnp.full(shape, fill, self.dtype), out_shardings=sharding)()
+            std = specs[i].shape[-1 if "embed_tokens" in path else -2] ** -0.5
+            return jax.jit(lambda: _hash_uniform(shape, seed * 7919 + i, std, self.dtype),
+                           out_shardings=sharding)()
+
+        if not self.loop_layers:
+            shardings = jax.tree.leaves(self.param_shardings)
+            self.params = jax.tree.unflatten(treedef, [make(i, s.shape, sh) for i, (s, sh) in
+                                                       enumerate(zip(specs, shardings))])
+            return self
+        lay, sh = self.layout, self.param_shardings  # a Packed of shardings
+        stacks = [make(g[0], (len(g), *specs[g[0]].shape), s) for g, s in zip(lay.groups, sh.stacks)]
+        rest = [make(i, specs[i].shape, s) for i, s in zip(lay.rest, sh.rest)]
+        self.params = Packed(stacks, rest, lay)
+        return self
+
+    # -- the forward ----------------------------------------------------------------------------
+
+    def _local_forward(self, params, tokens, positions, k_caches, v_caches):
+        """One device's forward: local weights and caches, full logits [B, T, V] out."""
+        model = nnx.merge(self.graphdef, params)
+        vocab = model.cfg.vocab_size  # V_pad / tp rows here
+        with jax.named_scope("embed"):
+            local = tokens - jax.lax.axis_index(AXIS) * vocab  # [B, T], index into this device's rows
+            mine = (local >= 0) & (local < vocab)  # [B, T]
+            x = jnp.where(mine[..., None], model.embed_tokens(jnp.where(mine, local, 0)), 0)  # [B, T, D]
+            x = jax.lax.psum(x, AXIS)  # [B, T, D]
+            cos, sin = rope_cos_sin(model.inv_freq[...], positions)  # [B, T, H]
+        new_k, new_v = [], []
+        for i, layer in enumerate(model.layers):
+            with jax.named_scope(f"layers_{i}"):
+                graphdef, state = nnx.split(layer)
+                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+        with jax.named_scope("lm_head"):
+            x = model.norm(x)
+            logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)  # [B, T, V_pad/tp]
+            logits = jax.lax.all_gather(logits, AXIS, axis=2, tiled=True)[..., : self.cfg.vocab_size]  # [B, T, V]
+        return logits.astype(jnp.float32), new_k, new_v
+
+    def _plan(self, batch: int, tokens: int, cache_len: int, cache_dtype) -> LoopPlan:
+        """The loop plan of the per-device forward for one input shape (traced under the mesh axis)."""
+        key = (batch, tokens, cache_len, jnp.dtype(cache_dtype).name)
+        if key not in self._plans:
+            c = self.shard_cfg
+            ints = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+            kv = [jax.ShapeDtypeStruct((batch, cache_len, c.n_kv_heads, c.head_dim), cache_dtype)] * c.n_layers
+            args = (self._local_specs, ints, ints, kv, kv)
+            self._plans[key] = _under_axis(self.mesh, lambda: kernel_loop(
+                self._local_forward, *args,
+                index_mode="slice" if self.mode == "slice" else "whole", packed_outputs={1: _K, 2: _V},
+                stacked_dot=kernel_stacked_dot if self.mode == "inplace" else None,
+                stacked_calls={"sdpa": kernel_attention, "swiglu": kernel_swiglu} if self.mode == "inplace" else None))
+        return self._plans[key]
+
+    def forward(self, params, tokens, positions, cache: KVCache):
+        """Logits [B, T, V] (replicated) and the new cache, for tokens and positions [B, T]."""
+        b, t = tokens.shape
+        fn = self._local_forward
+        if self.loop_layers:
+            stack = cache.k.stacks[0]  # [L, B, S, K, H]
+            fn = self._plan(b, t, stack.shape[2], stack.dtype).looped
+        kv_spec = jax.tree.map(lambda a: P(*(None,) * (a.ndim - 2), AXIS, None), (cache.k, cache.v))  # K axis
+        logits, k, v = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.param_specs, P(), P(), *kv_spec),
+                                     out_specs=(P(), *kv_spec), check_vma=False)(
+            params, tokens, positions, cache.k, cache.v)
+        return logits, KVCache(k, v)
+
+    def new_cache(self, batch: int, length: int, dtype) -> KVCache:
+        """A zero cache sharded by kv heads (packed when looping); made in place on each device."""
+        def make():
+            cache = KVCache.init(self.cfg, batch, length, dtype)
+            if self.loop_layers:
+                layouts = self._plan(batch, 1, length, dtype).layouts
+                cache = KVCache(Packed.pack(cache.k, layouts[_K]), Packed.pack(cache.v, layouts[_V]))
+            return cache
+
+        shape = jax.eval_shape(make)
+        shardings = jax.tree.map(lambda a: NamedSharding(self.mesh, P(*(None,) * (a.ndim - 2), AXIS, None)), shape)
+        return jax.jit(make, out_shardings=shardings)()
+
+
+def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
+    """(Engine over tp devices, tokenizer or None) for a `--model` argument (the CLI's --tp path).
+
+    Presets other than the default get random weights made in place (`TPForward.random`) after a
+    per-device memory preflight; the default model, .gguf files and HF directories are loaded on one
+    device first (`loading.load_model`), then split. Too few devices or a config tp cannot split
+    raise ValueError before anything is loaded (where the config is known up front).
+    """
+    from jaxdecode.decode import Engine, default_dtype
+    from jaxdecode.loading import load_model
+    from jaxdecode.looped_model import default_loop_mode
+    from jaxdecode.memory import preflight
+
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    make_mesh(tp)
+    dtype = default_dtype()
+    if spec in PRESETS:
+        cfg = get_preset(spec)
+        shard_config(cfg, tp)
+        if spec != DEFAULT_MODEL:
+            preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len), looped=False, tp=tp)
+            tpf = TPForward.random(cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers,
+                                   loop_mode=default_loop_mode())
+            return Engine(None, tp=tpf), None
+    loaded = load_model(spec, dtype=dtype)
+    return Engine(loaded.model, loop_layers=loop_layers, tp=tp), loaded.tokenizer
+
+
+def _hash_uniform(shape, seed: int, std: float, dtype):
+    """Uniform values in [-sqrt(3), sqrt(3)) * std from a hash of each element's global index."""
+    h = jnp.full(shape, seed * 0x9E3779B1 & 0xFFFFFFFF, jnp.uint32)
+    for axis, mult in zip(range(len(shape)), (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F, 0x165667B1)):
+        h = (h + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)) * jnp.uint32(mult)
+        h = h ^ (h >> 15)
+    h = (h ^ (h >> 13)) * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 16)
+    u = (h >> 8).astype(jnp.float32) * (2.0**-24)  # [0, 1)
+    return ((u * 2 - 1) * (3**0.5 * std)).astype(dtype)

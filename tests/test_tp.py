@@ -1,0 +1,205 @@
+"""Tensor-parallel decode (jaxdecode.tp) equals one device: logits and greedy tokens, looped and unrolled.
+
+The test session has already started JAX with one CPU device, so the comparisons run in subprocesses
+with fake devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): this file, run as a script,
+is the worker; it prints one JSON object of results. The error cases run here, on one device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+RTOL = 1e-5  # f32; TP only reorders the sums of o_proj and down_proj (psum of tp partial sums)
+
+
+# -- the worker (runs in a subprocess with fake devices) --------------------------------------------
+
+
+def _compare(cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "slice") -> dict:
+    from jaxdecode.decode import Engine
+    from jaxdecode.model import init_random
+
+    model = init_random(cfg, seed=5)
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
+    one, split = Engine(model, loop_layers=loop, loop_mode=mode), Engine(model, loop_layers=loop, loop_mode=mode, tp=tp)
+    a, b = one.forward_logits(prompts), split.forward_logits(prompts)  # [B, T, V]
+    out = {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "shape": list(b.shape),
+           "scans": [r.length for r in split._tp._plan(2, 7, 7, np.float32).report.runs] if loop else []}
+    if generate:  # greedy, through the cache and the on-device chunk loop (prompts of different lengths)
+        rows = [prompts[0].tolist(), prompts[1, :4].tolist()]
+        out["tokens_one"] = one.generate(rows, max_new_tokens=9, chunk=4).token_ids
+        out["tokens_tp"] = split.generate(rows, max_new_tokens=9, chunk=4).token_ids
+    return out
+
+
+def _random_in_place(cfg, tp: int) -> dict:
+    """`TPForward.random` makes the same model for every tp: logits of tp devices vs one."""
+    import jax.numpy as jnp
+
+    from jaxdecode.decode import Engine
+    from jaxdecode.tp import TPForward
+
+    prompts = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 6))
+    a, b = (Engine(None, tp=TPForward.random(cfg, n, dtype=jnp.float32, seed=3)).forward_logits(prompts)
+            for n in (1, tp))
+    return {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "spread": float(a.std())}
+
+
+def _default_model_tp3() -> dict:
+    """The shipped SmolLM2-135M (9 heads, 3 kv heads) over 3 devices: greedy answer of one and of three."""
+    from jaxdecode.decode import Engine
+    from jaxdecode.loading import load_model
+
+    loaded = load_model()
+    tok = loaded.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    one, split = (Engine(loaded.model, tp=n).generate([ids], max_new_tokens=8, eos_ids=tok.eos_token_ids)
+                  .token_ids[0] for n in (1, 3))
+    return {"tokens_one": one, "tokens_tp": split, "text": tok.decode(split)}
+
+
+def worker(devices: int) -> dict:
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from jaxdecode.config import PRESETS
+
+    assert len(jax.devices()) == devices
+    gqa = PRESETS["tiny-gqa"]  # N 6, K 2, V 97: the vocab is padded to 98
+    if devices == 2:
+        return {
+            "gqa_unrolled": _compare(gqa, 2, loop=False),
+            "gqa_looped": _compare(gqa, 2, loop=True),
+            "tied_looped": _compare(gqa.replace(name="tiny-gqa-tied", tie_embeddings=True), 2, loop=True,
+                                    generate=False),
+            "vocab_even_looped": _compare(gqa.replace(name="tiny-gqa-v96", vocab_size=96), 2, loop=True,
+                                          generate=False),
+            # the GPU's mode: whole stacks in the scan body, the KV cache updated in the carry (f32 on
+            # the CPU: the dots stay XLA dots, no kernel)
+            "gqa_inplace": _compare(gqa, 2, loop=True, generate=False, mode="inplace"),
+            "random_in_place": _random_in_place(gqa, 2),
+        }
+    mha = PRESETS["tiny-mha"]  # N 4, K 4, F 80, V 97 -> 100
+    return {"mha_looped": _compare(mha, 4, loop=True), "mha_unrolled": _compare(mha, 4, loop=False, generate=False),
+            "qwen2_bias_looped": _compare(PRESETS["tiny-qwen2"], 2, loop=True),  # on 2 of the 4 devices
+            "default_model_tp3": _default_model_tp3()}
+
+
+def _launch(devices: int) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.Popen([sys.executable, __file__, str(devices)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Both workers, run at once (they are mostly compilation, single-threaded)."""
+    procs = {n: _launch(n) for n in (2, 4)}
+    out = {}
+    for n, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[n] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+# -- the comparisons ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("devices, case", [
+    (2, "gqa_unrolled"), (2, "gqa_looped"), (2, "tied_looped"), (2, "vocab_even_looped"), (2, "gqa_inplace"),
+    (4, "qwen2_bias_looped"), (4, "mha_looped"), (4, "mha_unrolled"),
+])
+def test_tp_logits_equal_one_device(results, devices, case):
+    r = results[devices][case]
+    assert r["rel"] < RTOL
+    v = 96 if case == "vocab_even_looped" else 97
+    assert r["shape"] == [2, 7, v]  # padded vocab entries are cut before anyone samples them
+
+
+@pytest.mark.parametrize("devices, case", [(2, "gqa_unrolled"), (2, "gqa_looped"), (4, "qwen2_bias_looped"),
+                                           (4, "mha_looped")])
+def test_tp_greedy_tokens_equal_one_device(results, devices, case):
+    r = results[devices][case]
+    assert r["tokens_tp"] == r["tokens_one"]
+    assert [len(t) for t in r["tokens_tp"]] == [9, 9]
+
+
+def test_default_model_on_3_devices_answers_like_one(results):
+    r = results[4]["default_model_tp3"]
+    assert r["tokens_tp"] == r["tokens_one"] and "Paris" in r["text"]
+
+
+def test_looped_tp_runs_the_layers_as_one_scan(results):
+    # The psums sit inside the layer calls: the calls stay identical and the pass loops all of them.
+    assert results[2]["gqa_looped"]["scans"] == [3]
+    assert results[2]["gqa_inplace"]["scans"] == [3]
+    assert results[4]["mha_looped"]["scans"] == [3]
+
+
+def test_random_weights_made_in_place_do_not_depend_on_tp(results):
+    r = results[2]["random_in_place"]
+    assert r["rel"] < RTOL and r["spread"] > 0.1
+
+
+# -- errors and the preflight (one device, in this process) -----------------------------------------
+
+
+def test_heads_not_divisible_is_refused_with_the_numbers():
+    from jaxdecode.config import PRESETS
+    from jaxdecode.tp import shard_config
+
+    with pytest.raises(ValueError, match=r"smollm2-135m cannot be split over 2 devices: n_heads \(9\), "
+                                         r"n_kv_heads \(3\).*tp in \[1, 3\] works"):
+        shard_config(PRESETS["smollm2-135m"], 2)
+    with pytest.raises(ValueError, match=r"n_kv_heads \(1\)"):
+        shard_config(PRESETS["tiny-mqa"], 2)
+    shard = shard_config(PRESETS["smollm2-135m"], 3)
+    assert (shard.n_heads, shard.n_kv_heads, shard.ffn_dim, shard.head_dim) == (3, 1, 512, 64)
+
+
+def test_more_devices_than_present_is_refused():
+    from jaxdecode.config import PRESETS
+    from jaxdecode.decode import Engine
+    from jaxdecode.model import init_random
+
+    with pytest.raises(ValueError, match=r"--tp 2 needs 2 devices, but JAX sees 1 \(cpu\)"):
+        Engine(init_random(PRESETS["tiny-gqa"]), tp=2)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "Hi", "--tp", "2"],  # the default model: 1 device here (and 9 heads would not split by 2)
+    ["bench", "--model", "tiny-gqa", "--tp", "2"],
+    ["bench", "--model", "tiny-gqa", "--tp", "0"],
+    ["bench", "--model", "tiny-gqa", "--tp", "2", "--batches", "1"],  # suite mode: plain only
+])
+def test_cli_tp_errors_exit_2_with_one_line(capsys, argv):
+    from jaxdecode.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxdecode: error:") and "tp" in err[0]
+
+
+def test_preflight_is_per_device():
+    from jaxdecode.config import get_preset
+    from jaxdecode.memory import estimate, preflight
+
+    cfg = get_preset("llama-3.1-70b")
+    one, two = estimate(cfg, itemsize=2, context=1024, looped=False), \
+        estimate(cfg, itemsize=2, context=1024, looped=False, tp=2)
+    replicated = 2 * (2 * cfg.n_layers * cfg.dim + cfg.dim)  # the norms, in bytes
+    assert two.weights == (one.weights - replicated) // 2 + replicated  # V = 128256 splits evenly
+    assert two.kv_cache * 2 == one.kv_cache
+    h200 = 139 * 2**30
+    with pytest.raises(ValueError, match="does not fit"):
+        preflight(cfg, itemsize=2, context=1024, looped=False, available=h200)
+    assert preflight(cfg, itemsize=2, context=1024, looped=False, available=h200, tp=2).total < h200
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(int(sys.argv[1]))))
