@@ -396,10 +396,15 @@ def _parse_peers(text: str | None) -> tuple[list[str], dict[str, set[tuple[int, 
         if not item or item == "none":
             continue
         name, _, configs = item.partition("@")
-        peers.append(name)
+        if name in peers:  # "hf_static@1x1k,hf_static@8x1k" reads as hf_static@1x1k+8x1k
+            if name not in only or not configs:
+                raise ValueError(f"--peers names {name!r} twice; restrict it once as {name}@BxC+BxC")
+        else:
+            peers.append(name)
         if configs:
             try:
-                only[name] = {(b, c) for b, c in (_parse_ints(bc.replace("x", ","), "peers") for bc in configs.split("+"))}
+                only.setdefault(name, set()).update(
+                    (b, c) for b, c in (_parse_ints(bc.replace("x", ","), "peers") for bc in configs.split("+")))
             except ValueError:
                 raise ValueError(f"--peers {item!r}: restrict a peer as NAME@BxC[+BxC], e.g. hf_static@1x1k") from None
     return peers, only

@@ -125,6 +125,11 @@ def test_peer_restricted_to_some_configs(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "llama-3.1-8b" in line]
     assert len(lines) == 4 and all("scan" in line for line in lines)
     assert [("hf_static" in line) for line in lines] == [True, False, False, True]  # B1 1k, B1 8k, B32 1k, B32 8k
+    # the same restriction written as two items (a run once measured only the last of them)
+    argv[-1] = "scan,hf_static@1x1k,hf_static@32x8k"
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "llama-3.1-8b" in line]
+    assert [("hf_static" in line) for line in lines] == [True, False, False, True]
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -133,6 +138,7 @@ def test_peer_restricted_to_some_configs(capsys):
     (["--models", "tiny-gqa", "--contexts", "60"], "exceeds the model's context of 64"),
     (["--models", "llama-9b"], "llama-9b"),
     (["--peers", "hf_static@1by1k"], "NAME@BxC"),
+    (["--peers", "scan,scan"], "twice"),
 ])
 def test_bad_suite_flags_exit_2(argv, match, capsys):
     assert main(["bench", "--dry-run", *argv]) == 2
