@@ -166,7 +166,12 @@ def choose_gemm(m: int, n: int, k: int, *, looped: bool = False,
   points = f"M1={e.m1}, M2={e.m2 if e.m2 is not None else 'none'}"
   tail = f"{form} {shape}, {points} on {table.device_kind} ({where})"
   if m < e.m1 and m <= GEMV_MAX_M:
-    return Choice(e.gemv_impl, f"M={m} < M1: {tail}")
+    if exact:
+      return Choice(e.gemv_impl, f"M={m} < M1: {tail}")
+    # The GEMV kernel loops over K on CUDA cores, so its speed does not carry over from another
+    # shape: Qwen2.5-7B's looped decode at batch 1 ran 6.29 ms/token with GEMV taken from the
+    # nearest entries and 4.71 ms/token without (H200, BENCHMARKS.md).
+    return Choice(e.flat_impl, f"M={m} < M1, but GEMV is not extrapolated to an unprofiled shape: {tail}")
   if e.m2 is not None and m >= e.m2:
     return Choice("xla", f"M={m} >= M2: XLA dot; {tail}")
   if e.flat_impl == "mosaic" and m > MOSAIC_MAX_M:

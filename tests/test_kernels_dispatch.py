@@ -63,6 +63,8 @@ def test_h200_choices_follow_the_measurements():
   assert looped(1, 4096, 4096).impl == "gemv"
   assert looped(2, 4096, 4096).impl == "mosaic"
   assert looped(1, 14336, 4096).impl == "mosaic"
+  # GEMV only on a profiled shape: the nearest entry's M1 does not carry its GEMV speed over
+  assert looped(1, 3584, 18944).impl == "mosaic" and "not extrapolated" in looped(1, 3584, 18944).reason
   assert looped(128, 14336, 4096).impl == "mosaic"
   assert looped(300, 14336, 4096).impl == "xla"  # past the Mosaic kernel's M limit
   nearest = looped(1, 28672, 4096)  # gate+up was not measured looped: nearest is [14336, 4096]
