@@ -139,7 +139,19 @@ def rows(constants: str = "published") -> list[Row]:
         e = h200("xla", trace_decode_step(cfg8, b, 1024, looped=False), b)
         out.append(Row("gpu", f"H200 plain JAX unrolled, batch {b}, tok/s", measured, e.tok_s, "h200-anchors.md",
                        bound_pct=25))
+    # Our tensor-parallel decode on 2 NVLink H200s (jaxdecode.tp, looped in place), ctx 1024.
+    for name, b, measured in TP2_MEASURED_MS:
+        cfg = get_preset(name)
+        e = gpu_estimate(trace_decode_step(cfg, b, 1024, looped=False), H200, batch=b, dim=cfg.dim,
+                         kv_heads=cfg.n_kv_heads, mode="xla", n_gpus=2)
+        out.append(Row("gpu", f"2x H200 tensor parallel, {name} batch {b}, ms/token", measured, e.ms_per_token,
+                       "BENCHMARKS.md 2026-11-30 (benchmarks/results_tp_gpu.json)", bound_pct=15))
     return out
+
+
+# (model, batch, measured ms/token) of `python benchmarks/tp_gpu.py` on 2 H200s, 2026-11-30.
+TP2_MEASURED_MS = (("llama-3.1-8b", 1, 4.832), ("llama-3.1-8b", 8, 5.229),
+                   ("llama-3.1-70b", 1, 23.33), ("llama-3.1-70b", 8, 25.238))
 
 
 def mape(rs: list[Row]) -> float:

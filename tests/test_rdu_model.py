@@ -133,8 +133,23 @@ def test_simulate_trivial_graph_by_hand():
 # - H200 batch 32 (h200-anchors' plain-JAX peer, 17.2 ms): the model gives 7.7 ms; our own engine measures
 #   6.65 ms for the same configuration (BENCHMARKS.md suite), so the two sources conflict
 #   (rdu.anchors.CONFLICTS, reported by `jaxdecode rdu --validate`).
-KNOWN_MISSES = {"DGX H100 TRT-LLM, Llama-3.1-8B bs1 4K: tok/s", "DGX H100: % of 24 TB/s",
-                "KL speedup, max over models, 1 socket (KL: up to 2.2x)", "H200 plain JAX unrolled, batch 32, tok/s"}
+# The DGX H100 rows left this set when the all-reduce latency became our measured 20 µs (was an
+# assumed 10 µs): the model now gives 324 tok/s and 21.0% of 24 TB/s against the paper's 300 and 21%.
+# With the published (unfitted) constants the batch-1 tensor-parallel rows come out 19% and 26% slow.
+KNOWN_MISSES = {"KL speedup, max over models, 1 socket (KL: up to 2.2x)", "H200 plain JAX unrolled, batch 32, tok/s",
+                "2x H200 tensor parallel, llama-3.1-8b batch 1, ms/token",
+                "2x H200 tensor parallel, llama-3.1-70b batch 1, ms/token"}
+
+
+def test_fitted_model_predicts_the_two_gpu_measurements():
+    """Issue #9's bar: the GPU mode (fitted constants, measured all-reduce latency) predicts our 2-GPU
+    tensor-parallel decode within 15% for Llama-3.1-8B; the 70B batch-1 row is the known miss (+19%)."""
+    from rdu.validate import rows
+
+    tp = {r.what: r for r in rows("fitted") if r.what.startswith("2x H200")}
+    assert len(tp) == 4
+    assert all(r.within for w, r in tp.items() if "8b" in w), {w: r.delta_pct for w, r in tp.items()}
+    assert all(abs(r.delta_pct) < 20 for r in tp.values()), {w: r.delta_pct for w, r in tp.items()}
 
 
 def test_validation_rows_within_stated_bounds():
