@@ -27,6 +27,9 @@ rows test that measurement, not a fit. `run_fit` also refits the model without t
 numbers `rdu.validate` compares with (bounds "up to" / "over" taken as values); train on the
 one-socket, 16-socket and geomean rows, hold out the 8-socket rows. One set of constants for all.
 
+Our looped in-place engine ("ours", GPU mode "looped_inplace") has its own constants, fitted after
+the "xla" ones by rdu.fit_inplace (train/held-out split in rdu.anchors.INPLACE_ROWS, plus leave-one-out).
+
     python -m rdu.fit            # fit, print the table, write rdu/fitted.json
 """
 
@@ -49,7 +52,8 @@ from rdu.simulate import _socket_bytes, allreduce_s, gpu_kernel_terms
 
 RDU_KEYS = ("launch_s", "sync_s", "fill_drain_s", "hbm_efficiency")
 GPU_KEYS = GPU_FREE
-EFFICIENCIES = frozenset({"hbm_efficiency", "gemv_efficiency", "gemm_efficiency", "attention_efficiency"})
+EFFICIENCIES = frozenset({"hbm_efficiency", "gemv_efficiency", "gemm_efficiency", "attention_efficiency",
+                          "flat_gemm_efficiency", "split_k_efficiency"})
 PRIOR_WEIGHT = 0.01  # per (log or logit) unit squared, next to a squared log error per row
 ASSUMED_GPU = frozenset({"kernel_overhead_s", "eager_op_s"})  # no measurement behind them: weaker prior
 
@@ -188,7 +192,7 @@ def _gpu_row_features(row: GPURow) -> GPUFeatures:
     from rdu.mapping import fuse
     from rdu.trace import trace_decode_step
 
-    cfg = get_preset("llama-3.1-8b")
+    cfg = get_preset(row.model)
     g = trace_decode_step(cfg, row.batch, row.context, looped=False)
     all_kernels = fuse(g)
     kernels = [k for k in all_kernels if k.role != "sampling"]
@@ -363,6 +367,16 @@ def run_fit(steps: int = 600) -> dict:
         sub = [x for x in rows if x["group"] == "h200" and (split is None or x["split"] == split)
                and (key not in ("h200_test_ours", "h200_test_peer") or (x["source"] == A) == key.endswith("peer"))]
         summary[key]["no_batch_term"] = summarize([x["no_batch_term_err_pct"] for x in sub])
+    suite = [x for x in rows if x["group"] == "h200" and x["what"].startswith("suite unrolled")]
+    for split in ("train", "test", "all"):
+        sub = [x for x in suite if split in ("all", x["split"])]
+        summary[f"h200_unrolled_{split}"] = {k: summarize([x[f"{k}_err_pct"] for x in sub])
+                                            for k in ("published", "fitted")}
+    from rdu.fit_inplace import run_inplace
+
+    inplace = run_inplace(gpu_fit, steps=steps)
+    rows += inplace.pop("rows")
+    summary.update(inplace.pop("summary"))
     return {
         "what": "free constants of the rdu cost model, fitted with optax Adam on log/logit parameters",
         "loss": "mean squared log error over the train rows + %g x sum (free param - published)^2" % PRIOR_WEIGHT,
@@ -375,6 +389,7 @@ def run_fit(steps: int = 600) -> dict:
                 "no_batch_term_fitted": flat_fit, "no_batch_term_train_loss": flat_loss,
                 "fit_rows": [r.what for r in H200_ROWS if r.split == "train"],
                 "held_out_rows": [r.what for r in H200_ROWS if r.split == "test"]},
+        "gpu_inplace": inplace,
         "rows": rows, "summary": summary,
     }
 
@@ -382,7 +397,7 @@ def run_fit(steps: int = 600) -> dict:
 def format_record(rec: dict) -> str:
     lines = [f"{'group':6s} {'split':7s} {'row':62s} {'target':>9s} {'publ.':>9s} {'Δ%':>7s} {'fitted':>9s} {'Δ%':>7s}"]
     for x in rec["rows"]:
-        lines.append(f"{x['group'][:6]:6s} {x['split'][:7]:7s} {x['what'][:62]:62s} {x['target']:9.4g} "
+        lines.append(f"{x['group'][-6:]:6s} {x['split'][:7]:7s} {x['what'][:62]:62s} {x['target']:9.4g} "
                      f"{x['published_model']:9.4g} {x['published_err_pct']:+7.1f} {x['fitted_model']:9.4g} "
                      f"{x['fitted_err_pct']:+7.1f}")
     for k, v in rec["summary"].items():
@@ -392,7 +407,7 @@ def format_record(rec: dict) -> str:
                      f"  | fitted MAPE {f['mape_pct']:5.1f}% max {f['max_abs_err_pct']:5.1f}%"
                      + (f"  | fitted without batch term {flat['mape_pct']:5.1f}% max {flat['max_abs_err_pct']:5.1f}%"
                         if flat else ""))
-    for grp in ("sn40l", "gpu"):
+    for grp in ("sn40l", "gpu", "gpu_inplace"):
         lines.append(f"{grp} constants: " + ", ".join(
             f"{k} {rec[grp]['published'][k]:.4g} -> {rec[grp]['fitted'][k]:.4g}" for k in rec[grp]["fitted"]))
     return "\n".join(lines)

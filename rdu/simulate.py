@@ -28,7 +28,7 @@ from rdu.graph import DataflowGraph
 from rdu.hardware import GPUSpec
 from rdu.mapping import ALLREDUCES_PER_LAYER, STAGE_KINDS, Kernel, Mapping
 
-GPU_MODES = ("xla", "eager", "scan_copy", "fixed")
+GPU_MODES = ("xla", "eager", "scan_copy", "fixed", "looped_inplace")
 EAGER_DATA_OPS = frozenset({"convert_element_type", "concatenate", "gather", "iota", "select_n", "cumsum"})
 
 
@@ -212,7 +212,8 @@ def simulate_gpu(kernels: list[Kernel], gpu: GPUSpec, *, batch: int, mode: str =
     mode: "xla" (XLA-style fusion, one dispatch per token), "eager" (one kernel per op, host dispatch
     per op), "scan_copy" ("xla" plus the copy XLA makes of every stacked layer weight before its matmul:
     one extra read and write of every weight), "fixed" (`kernels_per_layer` kernels per layer, e.g.
-    10 for TensorRT-LLM per the DIAYN paper).
+    10 for TensorRT-LLM per the DIAYN paper), "looped_inplace" (our engine: decoder layers as
+    rdu.gpu_modes models them, embedding and LM head as "xla").
     """
     if mode not in GPU_MODES:
         raise ValueError(f"mode must be one of {GPU_MODES}, got {mode!r}")
@@ -221,7 +222,15 @@ def simulate_gpu(kernels: list[Kernel], gpu: GPUSpec, *, batch: int, mode: str =
     times = []
     for k in kernels:
         n = k.calls * k.iterations
-        t = gpu_kernel_terms(k, gpu, mode=mode, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes,
+        if mode == "looped_inplace" and k.is_layer:
+            from rdu.gpu_modes import inplace_layer_s, inplace_terms
+
+            t = inplace_terms(k, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes)
+            mem, it = inplace_layer_s(t, gpu, batch)
+            times.append(KernelTime(k.name, t.kernels * n, 1, gpu.inplace_kernel_gap_s, 0.0, mem, t.compute_s,
+                                    t.comm_s, it, n * it))
+            continue
+        t = gpu_kernel_terms(k, gpu, mode="xla" if mode == "looped_inplace" else mode, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes,
                              logits_bytes=logits_bytes, kernels_per_layer=kernels_per_layer)
         mem = (t.weight_bytes / (eff * gpu.read_bw) + t.kv_bytes / (gpu.attention_efficiency * gpu.read_bw)
                + t.other_bytes / gpu.read_bw + t.copy_bytes / gpu.copy_bw)

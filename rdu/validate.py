@@ -227,6 +227,12 @@ def spread_rows(constants: str = "published") -> list[dict]:
         for v, _ in CONFLICTS[name].alternatives:
             out.append({"conflict": name, "value": v, "what": f"H200 model {e.ms_per_token:.3g} ms ({mode}), Δ%",
                         "estimate": 100 * (e.ms_per_token - v) / v})
+    q = get_preset("qwen2.5-7b")
+    e = gpu_estimate(trace_decode_step(q, 1, 1152, looped=False), spec, batch=1, dim=q.dim, kv_heads=q.n_kv_heads,
+                     mode="looped_inplace")
+    for v, _ in CONFLICTS["h200_ours_qwen_b1_ms"].alternatives:
+        out.append({"conflict": "h200_ours_qwen_b1_ms", "value": v, "estimate": 100 * (e.ms_per_token - v) / v,
+                    "what": f"H200 model {e.ms_per_token:.3g} ms (looped_inplace), Δ%"})
     return out
 
 

@@ -187,3 +187,60 @@ def test_bad_input(capsys):
         gpu("a100")
     with pytest.raises(ValueError, match="mode"):
         gpu_estimate(g, H200, batch=1, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="tensorrt")
+
+
+@pytest.mark.parametrize("constants", CONSTANTS)
+def test_jax_inplace_model_equals_reference_and_grad(constants):
+    from rdu.fit_inplace import inplace_constants, inplace_features, inplace_time
+
+    spec = gpu("h200", constants)
+    for name, b, s, n in (("llama-3.1-8b", 1, 1152, 1), ("llama-3.1-8b", 32, 8320, 1), ("qwen2.5-7b", 8, 1152, 2)):
+        cfg = get_preset(name)
+        g = trace_decode_step(cfg, b, s, looped=False)
+        ks = fuse(g)
+        logits = sum(k.other_bytes for k in ks if k.role == "sampling")
+        ks = [k for k in ks if k.role != "sampling"]
+        kw = dict(n_gpus=n, kv_heads=cfg.n_kv_heads, activation_bytes=b * cfg.dim * 2, logits_bytes=logits)
+        ref = simulate_gpu(ks, spec, batch=b, mode="looped_inplace", **kw)
+        assert ref.per_token_s == pytest.approx(
+            gpu_estimate(g, spec, batch=b, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="looped_inplace",
+                         n_gpus=n).per_token_s)
+        assert ref.calls_per_token == cfg.n_layers * 14 + 4  # 6 GEMMs + attention + 7 XLA kernels; embed + head
+        f = inplace_features(ks, spec, batch=b, **kw)
+        c = inplace_constants(spec)
+        assert float(inplace_time(gpu_constants(spec), c, f)) == pytest.approx(ref.per_token_s, rel=REL)
+        assert ref.per_token_s >= f.xla.model_bytes / n / spec.read_bw  # the layers only add time
+        d = jax.grad(lambda e: inplace_time(gpu_constants(spec), dict(c, split_k_efficiency=e), f))(
+            jnp.float32(c["split_k_efficiency"]))
+        assert float(d) < 0
+
+
+def test_inplace_mode_meets_the_issue_bar_on_held_out_rows():
+    """Issue #6: the GPU mode against our measured H200 decode (`jaxdecode bench`, >= 8 configurations):
+    MAPE <= 8%, max <= 15%. Recomputed here from the code and the stored constants; held out: the 8k
+    rows and Qwen batch 1 (rdu.anchors.INPLACE_ROWS), and leave-one-out over all eight."""
+    from rdu.anchors import INPLACE_ROWS
+    from rdu.fit_inplace import inplace_time, row_features
+
+    rec = load_fitted()
+    c, cx = rec["gpu_inplace"]["fitted"], rec["gpu"]["fitted"]
+    assert len(INPLACE_ROWS) >= 8 and {r.split for r in INPLACE_ROWS} == {"train", "test"}
+    stored = {x["what"]: x for x in rec["rows"] if x["group"] == "h200_inplace"}
+    err = {}
+    for r in INPLACE_ROWS:
+        f, _ = row_features(r)
+        ms = 1e3 * float(inplace_time(cx, c, f))
+        assert ms == pytest.approx(stored[r.what]["fitted_model"], rel=1e-4)
+        spec = gpu("h200", "fitted")
+        cfg = get_preset(r.model)
+        ref = gpu_estimate(trace_decode_step(cfg, r.batch, r.context, looped=False), spec, batch=r.batch,
+                           dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="looped_inplace").ms_per_token
+        assert ref == pytest.approx(ms, rel=1e-4)
+        err[r.what] = (r.split, abs(100 * (ms - r.measured_ms) / r.measured_ms))
+    test = [e for s, e in err.values() if s == "test"]
+    every = [e for _, e in err.values()]
+    assert sum(test) / len(test) <= 8.0 and max(test) <= 15.0, err  # the issue's bar, held out
+    assert sum(every) / len(every) <= 8.0 and max(every) <= 15.0, err
+    assert sum(test) / len(test) <= 5.0 and max(test) <= 10.0, err  # what the fit achieved (4.0%, 8.4%)
+    loo = rec["summary"]["h200_inplace_loo"]["fitted"]
+    assert loo["rows"] == len(INPLACE_ROWS) and loo["mape_pct"] <= 5.0 and loo["max_abs_err_pct"] <= 10.0

@@ -1,0 +1,83 @@
+"""GPU mode "looped_inplace": our engine's decode step, kernel by kernel.
+
+The default engine loops the layers in one `lax.scan` (an XLA while loop, not a CUDA graph) and reads
+everything in place with Pallas kernels. Per layer it launches:
+
+- one flat GEMM per projection (q, k, v, o, down) and one fused SwiGLU GEMM for gate + up, reading
+  the stacked weights [L, K, N] at layer l: bytes / (flat GEMM efficiency(M) * peak), with
+  efficiency(M) = flat_gemm_efficiency * M ** -flat_gemm_m_exponent (M = batch rows; our Mosaic
+  kernel: 71% -> 66% of the jnp.sum ceiling from M = 1 to 8, KERNELS_RESULTS.md);
+- one split-K decode attention kernel over the stacked cache: KV bytes / (split_k_efficiency * peak);
+- the KV-cache write (in-place scatters) and XLA's elementwise/reduction fusions between the kernels
+  (norms, RoPE, residual adds), their bytes at the read ceiling;
+
+and every kernel costs `inplace_kernel_gap_s` of launch + gap. The layer time is
+kernels * gap + max(memory, FLOPs / achieved rate) + all-reduces (tensor parallel, as the "xla" mode).
+The embedding and the LM head run outside the loop as XLA ops and cost what the "xla" mode says.
+Efficiencies are fractions of the spec peak (4.8 TB/s), not of the jnp.sum ceiling: the measured
+cost of each extra KV byte from 1k to 8k context (bench suite, batch 8 and 32) is 4.5-4.6 TB/s,
+above that ceiling (4.36 TB/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rdu.hardware import GPUSpec
+from rdu.mapping import ALLREDUCES_PER_LAYER, Kernel
+
+INPLACE_MODE = "looped_inplace"
+
+
+@dataclass(frozen=True)
+class InplaceTerms:
+    """What one decoder layer of the looped in-place step costs per GPU, before the free constants."""
+
+    kernels: int  # kernels launched per layer (flat GEMMs + attention + XLA fusions and scatters)
+    gemms: int  # of which flat GEMM kernels
+    gemm_bytes: float  # projection weights per GPU, at the flat GEMM efficiency
+    kv_bytes: float  # KV cache read per GPU, at the split-K attention efficiency
+    other_bytes: float  # KV write + activations, at the read ceiling
+    compute_s: float  # FLOPs per GPU at the achieved matmul rate
+    comm_s: float  # tensor-parallel all-reduces
+
+
+def _is_attention(n) -> bool:
+    return "sdpa" in n.scope
+
+
+def inplace_kernel_counts(nodes) -> tuple[int, int]:
+    """(flat GEMM kernels, all kernels) of one traced layer: each projection matmul is one kernel,
+    except that the MLP's matmuls with identical operand shapes (gate, up) fuse into one SwiGLU kernel;
+    the attention ops (scope `sdpa`) are one kernel; the rest fuse as XLA does (`xla_kernel_count`)."""
+    from rdu.simulate import xla_kernel_count
+
+    proj = [n for n in nodes if n.kind == "matmul" and not _is_attention(n)]
+    mlp = [tuple(map(str, n.inputs)) for n in proj if n.scope.rsplit("/", 1)[-1] == "mlp"]
+    gemms = len(proj) - (len(mlp) - len(set(mlp)))
+    rest = xla_kernel_count([n for n in nodes if not _is_attention(n) and n.kind != "matmul"])
+    return gemms, gemms + int(any(_is_attention(n) for n in nodes)) + rest
+
+
+def inplace_terms(k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8,
+                  activation_bytes: int = 0) -> InplaceTerms:
+    """The terms of one decoder kernel (weights split n ways, KV over min(n, kv_heads) shards)."""
+    from rdu.simulate import gpu_allreduce_s
+
+    gemms, count = inplace_kernel_counts(k.nodes)
+    shards = min(n_gpus, kv_heads)
+    comm = ALLREDUCES_PER_LAYER * gpu_allreduce_s(activation_bytes, n_gpus, gpu)
+    return InplaceTerms(count, gemms, k.weight_bytes / n_gpus, k.cache_read_bytes / shards,
+                        k.cache_write_bytes / shards + k.other_bytes, k.flops / n_gpus / gpu.achieved_flops, comm)
+
+
+def flat_gemm_efficiency(gpu: GPUSpec, m: int) -> float:
+    """Our flat GEMM's bandwidth / peak at M = m rows."""
+    return gpu.flat_gemm_efficiency * m ** -gpu.flat_gemm_m_exponent
+
+
+def inplace_layer_s(t: InplaceTerms, gpu: GPUSpec, batch: int) -> tuple[float, float]:
+    """(memory seconds, whole layer seconds) of one layer call."""
+    mem = (t.gemm_bytes / (flat_gemm_efficiency(gpu, batch) * gpu.hbm_bw)
+           + t.kv_bytes / (gpu.split_k_efficiency * gpu.hbm_bw) + t.other_bytes / gpu.read_bw)
+    return mem, t.kernels * gpu.inplace_kernel_gap_s + max(mem, t.compute_s) + t.comm_s
