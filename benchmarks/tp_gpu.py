@@ -25,9 +25,11 @@ import sys
 import time
 
 DRY = "--dry-run" in sys.argv
-if DRY:  # before JAX starts: CPU with 2 fake devices
+if DRY:  # before JAX starts: CPU with 2 fake devices (or as many as an importer, tp_scaling.py, already asked for)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=2").strip()
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # the 70B shards need ~72 GB of 141 per GPU
 
@@ -49,9 +51,9 @@ from jaxdecode.tp import AXIS, TPForward, make_mesh  # noqa: E402
 PROMPT, STEPS, AGREE = 16, 32, 16
 
 
-def allreduce_us(dim: int, batch: int, n: int = 100) -> float:
-    """Microseconds per psum of one [B, D] bf16 array over 2 devices (a jitted chain of n)."""
-    mesh = make_mesh(2)
+def allreduce_us(dim: int, batch: int, n: int = 100, devices: int = 2) -> float:
+    """Microseconds per psum of one [B, D] bf16 array over `devices` devices (a jitted chain of n)."""
+    mesh = make_mesh(devices)
 
     def chain(x):  # x: [B, D] on each device
         bump = (jax.lax.axis_index(AXIS) + 1).astype(x.dtype) * 1e-3

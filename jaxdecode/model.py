@@ -215,13 +215,7 @@ class Transformer(nnx.Module):
         with jax.named_scope("embed"):
             x = self.embed_tokens(tokens)  # [B, T, D]
             cos, sin = rope_cos_sin(self.inv_freq[...], positions)  # [B, T, H]
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"layers_{i}"):
-                graphdef, state = nnx.split(layer)
-                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin)
-            new_k.append(k)
-            new_v.append(v)
+        x, new_k, new_v = self.run_layers(x, k_caches, v_caches, positions, cos, sin)
         with jax.named_scope("lm_head"):
             x = self.norm(x)
             if self.lm_head is None:
@@ -229,6 +223,19 @@ class Transformer(nnx.Module):
             else:
                 logits = self.lm_head(x)  # [B, T, V]
         return logits.astype(jnp.float32), new_k, new_v
+
+
+    def run_layers(self, x, k_caches, v_caches, positions, cos, sin):
+        """The decoder layers in order, each one `decoder_layer_call` (the calls the looping pass finds).
+        x [B, T, D]; caches L x [B, S, K, H]; returns x and the new caches."""
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layers_{i}"):
+                graphdef, state = nnx.split(layer)
+                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+        return x, new_k, new_v
 
 
 def init_random(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Transformer:

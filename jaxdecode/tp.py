@@ -44,7 +44,7 @@ from jaxdecode.cache import KVCache
 from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
 from jaxdecode.looped_model import LOOP_MODES, kernel_attention, kernel_stacked_dot, kernel_swiglu
 from jaxdecode.looping import LoopPlan, Packed, kernel_loop
-from jaxdecode.model import Transformer, decoder_layer_call, rope_cos_sin, rope_inv_freq
+from jaxdecode.model import Transformer, rope_cos_sin, rope_inv_freq
 
 AXIS = "tp"
 _PARAMS, _K, _V = 0, 3, 4  # argument positions of `TPForward._local_forward` that the loop plan packs
@@ -213,13 +213,7 @@ class TPForward:
             x = jnp.where(mine[..., None], model.embed_tokens(jnp.where(mine, local, 0)), 0)  # [B, T, D]
             x = jax.lax.psum(x, AXIS)  # [B, T, D]
             cos, sin = rope_cos_sin(model.inv_freq[...], positions)  # [B, T, H]
-        new_k, new_v = [], []
-        for i, layer in enumerate(model.layers):
-            with jax.named_scope(f"layers_{i}"):
-                graphdef, state = nnx.split(layer)
-                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin)
-            new_k.append(k)
-            new_v.append(v)
+        x, new_k, new_v = model.run_layers(x, k_caches, v_caches, positions, cos, sin)
         with jax.named_scope("lm_head"):
             x = model.norm(x)
             logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)  # [B, T, V_pad/tp]

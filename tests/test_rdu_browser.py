@@ -65,7 +65,10 @@ def test_70b_report_renders_and_expands(browser, page_70b, tmp_path):
     loop.locator("details.call > summary").first.click()  # the decoder_layer_call body
     after = page.evaluate(VISIBLE_OPS)
     assert after > before + 50  # one layer body: matmuls, attention, mlp
-    assert loop.locator("g.op.k-matmul").evaluate_all("els => els.filter(e => e.checkVisibility()).length") >= 7
+    visible = "els => els.filter(e => e.checkVisibility()).length"
+    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 5  # q, k, v, o, down; gate and up sit in swiglu
+    loop.locator("details.call > summary").filter(has_text="swiglu").first.click()  # a nested call, collapsed
+    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 7  # + gate and up
 
     # tooltips carry shapes and dtypes
     tip = loop.locator("g.op.k-matmul title").first.text_content()

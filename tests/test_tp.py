@@ -146,6 +146,37 @@ def test_random_weights_made_in_place_do_not_depend_on_tp(results):
     assert r["rel"] < RTOL and r["spread"] > 0.1
 
 
+def test_tp_scaling_dry_run_writes_every_tp(tmp_path):
+    """benchmarks/tp_scaling.py --dry-run (8 fake CPU devices, a tiny config): one row per tp and batch,
+    scaling efficiency 1 at the first tp, no all-reduce at TP 1, rdu predictions and their MAPE; a tp
+    above the visible devices is skipped with the reason."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "tp_scaling.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "tp_scaling.py"), "--dry-run",
+                           "--models", "tiny-tp8", "--tp", "1,2,4,8,16", "--batches", "1", "--psum-chain", "5",
+                           "--out", str(out)],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["devices"] == 8 and data["errors"] == []
+    rows = {(r["tp"], r["batch"]): r for r in data["rows"]}
+    assert sorted(rows) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert [(s["tp"], "16 > 8 visible devices" in s["reason"]) for s in data["skipped"]] == [(16, True)]
+    for (tp, b), r in rows.items():
+        assert r["ms_per_token"] > 0 and r["tok_s"] == pytest.approx(b * 1e3 / r["ms_per_token"], rel=0.02)
+        assert r["base_tp"] == 1 and r["scaling_eff"] == pytest.approx(r["speedup_vs_base"] / tp, abs=2e-3)
+        if tp == 1:
+            assert r["scaling_eff"] == 1 and r["allreduce_ms_per_token"] == 0 and r["psums_per_token"] == 0
+        else:  # 2 psums per layer + the embedding's
+            assert r["allreduce_us_per_psum"] > 0 and r["psums_per_token"] == 2 * 2 + 1
+            assert r["allreduce_ms_per_token"] == pytest.approx(r["allreduce_us_per_psum"] * 5 / 1e3, abs=1e-3)
+        for mode in ("xla", "looped_inplace"):
+            assert r[f"rdu_{mode}_ms"] > 0 and f"rdu_{mode}_delta_pct" in r
+    assert {"xla", "looped_inplace"} <= set(data["rdu_mape_pct"])
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("dry run:")  # the table and the summary come last
+
+
 # -- errors and the preflight (one device, in this process) -----------------------------------------
 
 
