@@ -50,7 +50,7 @@ def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes,
     m8 = -(-m // 8) * 8
     stage_bytes = block_sizes.tile_k * (m8 + weights * block_sizes.tile_n) * jnp.dtype(dtype).itemsize
     # two pipeline stages must fit (as flat_gemm counts them); until 2026-11-30 this hook also doubled
-    # the bytes, which kept one-weight looped GEMMs at M <= 40 on XLA and would reject every SwiGLU
+    # the bytes, which sent one-weight looped GEMMs with M > 40 to XLA and would reject every SwiGLU
     if impl == "xla" or (impl == "mosaic" and 2 * stage_bytes > block_sizes.smem_bytes):
         return None
     return impl
