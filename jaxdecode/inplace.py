@@ -79,9 +79,6 @@ class RefEvaluator:
         self.stacked_calls = dict(stacked_calls or {})
         self.latest: dict[Any, Any] = {}
         self._rows: dict[int, Any] = {}
-        self.kernel_dots = 0  # dots routed to `stacked_dot` (for reports and tests)
-        self.fallback_dots = 0  # dots with a ref rhs that ran on a materialized row
-        self.hooked_calls = 0  # calls answered by a `stacked_calls` hook
 
     def row(self, value):
         """A value itself; for a ref, its row (read once per ref and cached)."""
@@ -113,14 +110,12 @@ class RefEvaluator:
             with self._context(eqn):
                 outs = hook(*invals) if hook is not None else None
                 if outs is not None:
-                    self.hooked_calls += 1
                     return list(outs)
                 return self.eval(callee, invals)  # look through the call: refs reach its dots
         if plain_contraction(eqn) and isinstance(invals[1], StackedRef) and not isinstance(invals[0], StackedRef):
             y = self._dot(eqn, invals[0], invals[1])
             if y is not None:
                 return [y]
-            self.fallback_dots += 1
         if isinstance(invals[0], StackedRef) and invals[0].origin is not None \
                 and not any(isinstance(v, StackedRef) for v in invals[1:]):
             if eqn.primitive.name == "dynamic_update_slice":
@@ -137,7 +132,6 @@ class RefEvaluator:
             y = self.stacked_dot(x.reshape(int(np.prod(lead, dtype=int)), k), ref.stack, ref.index, out.dtype)
             if y is None:
                 return None
-            self.kernel_dots += 1
             return y.astype(out.dtype).reshape(*lead, n)  # [..., N]
 
     def _update(self, eqn: jcore.JaxprEqn, ref: StackedRef, update, starts):
