@@ -12,7 +12,10 @@ Only the (sequence, kv head) programs that hold a flagged row do work in the sec
 Layout: q [B, T, N, H], cache k/v [B, S, K, H], lengths [B] = valid cache entries, the T new tokens
 included (query t sits at position lengths-T+t and sees positions <= its own). Any S works: the
 wrapper pads S up to a multiple of splits·block_k (only when it is not one already) and the padded
-positions are masked by length like every position past `lengths`. Rows of one program
+positions are masked by length like every position past `lengths`. With `layer=i` the cache
+arguments are stacks [L, B, S, K, H] (a looped decode's carried cache) and the kernels read layer i
+in place: they get the whole stack and index it with i (no BlockSpec slice, so nothing is copied).
+Rows of one program
 are the T·G query rows that share one kv head, r = t·G + g, padded to a power of two >= 16.
 
 What runs where: both kernels are `pl.pallas_call` kernels. On the GPU they lower through
