@@ -15,8 +15,8 @@ wrapper pads S up to a multiple of splits·block_k (only when it is not one alre
 positions are masked by length like every position past `lengths`. With `layer=i` the cache
 arguments are stacks [L, B, S, K, H] (a looped decode's carried cache) and the kernels read layer i
 in place: they get the whole stack and index it with i (no BlockSpec slice, so nothing is copied).
-Rows of one program
-are the T·G query rows that share one kv head, r = t·G + g, padded to a power of two >= 16.
+Rows of one program are the T·G query rows that share one kv head, r = t·G + g, padded to a power
+of two >= 16.
 
 What runs where: both kernels are `pl.pallas_call` kernels. On the GPU they lower through
 Pallas-Triton, which jax 0.11 deprecates; a Mosaic GPU port (as kernels/flat_gemm.py has) is open
