@@ -127,7 +127,9 @@ def rdu_time(c: dict, f: RDUFeatures, looped: bool = True):
         it = jnp.where(layer, jnp.maximum(mem, f.compute_s + f.comm_s), jnp.maximum(mem, f.compute_s) + f.comm_s)
     else:
         calls, iters = jnp.where(layer, f.n, f.calls), jnp.where(layer, 1.0, f.iters)
-        it = jnp.maximum(mem, f.compute_s) + f.comm_s
+        tail = f.comm_s / ALLREDUCES_PER_LAYER  # the all-reduce that ends a layer's call
+        it = jnp.where(layer, jnp.maximum(mem, f.compute_s + f.comm_s - tail) + tail,
+                       jnp.maximum(mem, f.compute_s) + f.comm_s)
     return jnp.sum(calls * per_call + calls * iters * it)
 
 

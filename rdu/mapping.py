@@ -25,7 +25,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from rdu.graph import DataflowGraph, Node
+from rdu.graph import SLICING_OPS, DataflowGraph, Node
 from rdu.hardware import GIB, RDUSpec
 
 STAGE_KINDS = frozenset({"matmul", "elementwise", "reduction", "memory"})
@@ -179,17 +179,38 @@ def fuse(graph: DataflowGraph) -> list[Kernel]:
 def _loose_kernel(graph: DataflowGraph, scope: str, nodes: list[Node]) -> Kernel:
     """Traffic of a group of top-level ops: graph inputs they read, graph outputs they write."""
     ids = {n.id for n in nodes}
+    by_id = {n.id: n for n in nodes}
     role = {"embed": "embedding", "lm_head": "classifier"}.get(scope, "other")
     flops = sum(n.total_flops() for n in nodes)
-    reads: dict[int, int] = {}
+    # Bytes of each graph input that *these* ops read: a gather (or a call that gathers) reads its rows,
+    # anything else the whole input. A tied embedding table is read whole by the LM head's matmul but
+    # only B rows by the embedding lookup, so graph.input_reads (the whole step's read) is not per kernel.
+    partial: dict[int, int] = defaultdict(int)
+    full: set[int] = set()
     for e in graph.edges:
         if e.src == -1 and e.dst in ids:
-            reads[e.src_port] = graph.input_reads[e.src_port]
+            r = _operand_read(by_id[e.dst], e.dst_port, e.tensor.nbytes)
+            if r is None:
+                full.add(e.src_port)
+            else:
+                partial[e.src_port] += r
+    reads = {p: graph.input_reads[p] if p in full else min(graph.input_reads[p], partial[p])
+             for p in full | set(partial)}
     writes = sum(e.nbytes for e in graph.edges if e.src in ids and e.dst == -1)
     act = sum(e.nbytes for e in graph.edges if (e.src in ids) != (e.dst in ids) and e.src != -1 and e.dst != -1)
     weights = sum(r for p, r in reads.items() if graph.inputs[p].nbytes > 64 * 1024)
     other = sum(reads.values()) - weights + writes + act // 2
     return Kernel(scope or "other", role, 1, 1, flops, weights, 0, 0, other, nodes)
+
+
+def _operand_read(node: Node, port: int, size: int) -> int | None:
+    """Bytes `node` reads of its operand `port` (of `size` bytes) when only part of it is read, else None."""
+    if node.op in SLICING_OPS and port == 0:
+        return min(size, sum(o.nbytes for o in node.outputs))
+    if node.op in ("jit", "pjit") and node.children and port < len(node.children[0].input_reads):
+        r = node.children[0].input_reads[port]
+        return r if r < size else None
+    return None
 
 
 def allocate(works: list[float], units: int, rate: float) -> tuple[float, list[int]]:

@@ -11,7 +11,8 @@ and a body iteration costs max(memory, compute [+ communication]) where
 Kernel looping turns the L decoder calls into one call with L iterations: the launch and boundary
 are paid once, and the next layer's weights stream while the current layer computes and reduces,
 so an iteration costs max(memory, compute + communication). Without looping each of the L calls
-pays launch + boundary + max(memory, compute) + communication (the all-reduce ends the call).
+pays launch + boundary + max(memory, compute + all-reduces inside the call) + the last all-reduce
+(the one after down_proj ends the call; the one after o_proj overlaps the MLP's weight stream).
 
 The GPU mode counts kernels from the same traced graph (one per op in eager mode, XLA-style fusion
 otherwise) and charges each a fixed overhead, plus max(bytes at measured achieved bandwidths, FLOPs at
@@ -119,6 +120,11 @@ def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> 
             comm = 0.0
         if k.is_layer and looped:
             it = max(mem, compute + comm)  # next layer's weights prefetch during compute + all-reduce
+        elif k.is_layer:
+            # One call per layer: the all-reduces inside the call (after o_proj) overlap the rest of the
+            # layer's weight stream; the last one (after down_proj) ends the call, with no stream left.
+            tail = comm / ALLREDUCES_PER_LAYER
+            it = max(mem, compute + comm - tail) + tail
         else:
             it = max(mem, compute) + comm
         total = calls * (launch + boundary) + calls * iters * it

@@ -79,6 +79,48 @@ def test_looping_never_slower_and_roofline_holds(name, batch):
             assert floor.per_token_s == pytest.approx(simulate_rdu(m, looped=False, overheads=False).per_token_s)
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tied_embedding_lookup_reads_rows_not_the_table(batch):
+    """Qwen2.5-0.5B ties its embedding table to the LM head: the lookup kernel gathers B rows, the LM
+    head reads the whole table (the table used to be charged to both kernels)."""
+    cfg = get_preset("qwen2.5-0.5b")
+    assert cfg.tie_embeddings
+    m = mapped("qwen2.5-0.5b", 1, batch=batch)
+    emb, head = (next(k for k in m.kernels if k.role == r) for r in ("embedding", "classifier"))
+    rows = batch * cfg.dim * 2
+    table = cfg.vocab_size * cfg.dim * 2
+    assert emb.weight_bytes == rows
+    # The LM head reads the table (the trace's whole-step read of it also counts the gathered rows).
+    assert table <= head.weight_bytes <= table + rows
+    # The whole step then streams what the trace says it reads, plus the sampling kernel's logits (to
+    # 0.1%: kernel boundaries add activation traffic); charging the table twice was 19% over.
+    sampling = next(k for k in m.kernels if k.role == "sampling")
+    assert simulate_rdu(m).bytes_per_token == pytest.approx(m.graph.fused_bytes + sampling.bytes, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.1-8b", "llama-3.1-70b"])
+def test_unlooped_layer_overlaps_all_but_the_last_allreduce(name):
+    """Without looping the all-reduce after o_proj overlaps the MLP's weight stream inside the call and
+    the one after down_proj ends the call; with looping both overlap the next layer's stream. So with
+    call overheads off, looping gains at most one all-reduce per layer, and nothing on one socket."""
+    for p in (1, 2, 4, 8, 16):
+        try:
+            m = mapped(name, p)
+        except ModelDoesNotFit:
+            continue
+        on, off = simulate_rdu(m, looped=True, overheads=False), simulate_rdu(m, looped=False, overheads=False)
+        a, b = (next(k for k in e.kernels if k.name.startswith("decoder")) for e in (on, off))
+        half = a.comm_s / 2
+        assert a.iteration_s == pytest.approx(max(a.memory_s, a.compute_s + a.comm_s))
+        assert b.iteration_s == pytest.approx(max(b.memory_s, b.compute_s + half) + half)
+        assert 0.0 <= b.iteration_s - a.iteration_s <= half * (1 + 1e-12)
+        assert 0.0 <= off.per_token_s - on.per_token_s <= m.layers * half * (1 + 1e-9)
+        # With call overheads the gain grows by exactly (L - 1) calls' launch + boundary.
+        on1, off1 = simulate_rdu(m, looped=True), simulate_rdu(m, looped=False)
+        extra = (m.layers - 1) * (HW.launch_s + HW.boundary_s)
+        assert off1.per_token_s - on1.per_token_s == pytest.approx(off.per_token_s - on.per_token_s + extra)
+
+
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-0.5b"])
 def test_monotonic_in_sockets_until_allreduce_bound(name):
     prev = None
@@ -128,8 +170,11 @@ def test_simulate_trivial_graph_by_hand():
 # Rows the model is known to miss (kept honest rather than widening their bounds):
 # - DGX H100 TRT-LLM rows: the all-reduce latency (assumed 10 us) and TRT-LLM's per-kernel overhead are
 #   not measured here; the model is 38% too fast, i.e. it under-counts the GPU's fixed costs at TP8.
-# - KL "up to 2.2x": its configuration is not published; on one socket the model's best is 1.5x
-#   (Qwen2.5-0.5B); it passes 2.2x only from 2 sockets on.
+# - KL "up to 2.2x", read as a one-socket number: its configuration is not published (papers.md §1.1);
+#   on one socket the model's best is 1.63x (Qwen2.5-0.5B, published constants; 1.85x fitted). Any
+#   per-call cost large enough for 2.2x there (about 40 us) puts the 8/16-socket geomean near 2x
+#   against the published 1.6x: with a fixed per-call cost the one-socket maximum and the multi-socket
+#   geomean move together (their ratio stays 1.0-1.06; the claims need 1.375, at least 1.125).
 # - H200 batch 32 (h200-anchors' plain-JAX peer, 17.2 ms): the model gives 7.7 ms; our own engine measures
 #   6.65 ms for the same configuration (BENCHMARKS.md suite), so the two sources conflict
 #   (rdu.anchors.CONFLICTS, reported by `jaxdecode rdu --validate`).
