@@ -132,6 +132,10 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
     return [out.astype(q.dtype)]
 
 
+# The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
+KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu}
+
+
 def _spec(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
@@ -140,7 +144,7 @@ class LoopedForward:
     """forward(params, tokens, positions, cache) with the layers run as one `lax.scan`."""
 
     def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None,
-                 attention=None, swiglu=None):
+                 calls=None):
         if mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {mode!r}")
         self.cfg = cfg
@@ -148,8 +152,7 @@ class LoopedForward:
         self.index_mode = "slice" if mode == "slice" else "whole"
         self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
         # in place: the model's `sdpa` and `swiglu` calls go to kernels (`jaxdecode.inplace`)
-        self._calls = {"sdpa": attention or kernel_attention, "swiglu": swiglu or kernel_swiglu} \
-            if mode == "inplace" else None
+        self._calls = dict(calls or KERNEL_CALLS) if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)
         self._plans: dict[tuple, LoopPlan] = {}
