@@ -7,8 +7,8 @@ Each decode-step time is a function of two things:
   the all-reduce time, the kernels XLA/eager launch per call; and the hardware bandwidths;
 - **free constants** (a flat dict of floats, a pytree), the ones no source publishes:
   SN40L: `launch_s` (one kernel call), `sync_s` (synchronization at the end of a call),
-  `fill_drain_s` (pipeline drain + fill at a call boundary), `hbm_efficiency` (streaming bandwidth
-  / peak HBM); GPU: `kernel_overhead_s` (gap + launch per queued kernel), `eager_op_s` (host dispatch
+  `stage_fill_drain_s` (pipeline drain + fill at a call boundary, per stage of the kernel's pipeline),
+  `hbm_efficiency` (streaming bandwidth / peak HBM), `p2p_latency_s` (one all-reduce step); GPU: `kernel_overhead_s` (gap + launch per queued kernel), `eager_op_s` (host dispatch
   per op in eager mode), `gemv_efficiency` (matmul bandwidth / read ceiling at M = batch = 1),
   `gemm_efficiency` (the same at M >= 2) and `attention_efficiency` (KV-cache read / read ceiling).
 
@@ -16,8 +16,8 @@ Each decode-step time is a function of two things:
 published constants; tests/test_rdu_fit.py checks it. They are differentiable, so `fit` runs Adam
 (optax) on the constants, in log space (times) and logit space (efficiencies, kept in (0, 1)), with
 loss = mean squared log error over the rows of one split plus a weak pull towards the published
-value. Only launch + sync + fill/drain (their sum) reaches a per-token time, so the split between
-the three comes from that pull alone: the fit says nothing about it.
+value. launch + sync reach a per-token time only as a sum, so their split comes from that pull alone;
+the per-stage fill/drain is told apart by the depth of each kernel (decoder ~55 stages, LM head 8).
 
 Rows (rdu.anchors): GPU, our measured H200 step times (BENCHMARKS.md, 2026-11-30, and h200-anchors.md),
 Llama-3.1-8B shape, cache 1k and 8k; train on batch 1, hold out batch 8 and 32. Batch-1 rows carry no
@@ -46,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from rdu.anchors import A, DGX_ROW, H200_ROWS, KL_MODELS, PEAK_16, SN40L_ROWS, GPURow
-from rdu.hardware import FITTED_PATH, GPU_FREE, H100, H200, GPUSpec, RDUSpec, sn40l
+from rdu.hardware import FITTED_PATH, GPU_FREE, H100, H200, SN40L_FREE, GPUSpec, RDUSpec, sn40l
 from rdu.mapping import ALLREDUCES_PER_LAYER, Kernel, Mapping, ModelDoesNotFit
-from rdu.simulate import _socket_bytes, allreduce_s, gpu_kernel_terms
+from rdu.simulate import _socket_bytes, allreduce_s, gpu_kernel_terms, pipeline_depth
 
-RDU_KEYS = ("launch_s", "sync_s", "fill_drain_s", "hbm_efficiency")
+RDU_KEYS = SN40L_FREE
 GPU_KEYS = GPU_FREE
 EFFICIENCIES = frozenset({"hbm_efficiency", "gemv_efficiency", "gemm_efficiency", "attention_efficiency",
                           "flat_gemm_efficiency", "split_k_efficiency"})
@@ -59,10 +59,8 @@ ASSUMED_GPU = frozenset({"kernel_overhead_s", "eager_op_s"})  # no measurement b
 
 
 def rdu_constants(hw: RDUSpec) -> dict[str, float]:
-    """The free constants of a spec; its boundary_s is sync_s + fill_drain_s, split half and half
-    (assumed: no source splits it)."""
-    return {"launch_s": hw.launch_s, "sync_s": hw.boundary_s / 2, "fill_drain_s": hw.boundary_s / 2,
-            "hbm_efficiency": hw.hbm_efficiency}
+    """The free constants of a spec (`SN40L_FREE`)."""
+    return {k: getattr(hw, k) for k in RDU_KEYS}
 
 
 def gpu_constants(g: GPUSpec) -> dict[str, float]:
@@ -83,7 +81,9 @@ class RDUFeatures:
     hbm_bytes: np.ndarray  # bytes per socket per iteration streamed from HBM
     ddr_bytes: np.ndarray  # ... from DDR
     compute_s: np.ndarray  # PCU stage time per iteration
-    comm_s: np.ndarray  # all-reduce (or all-gather) time per iteration
+    comm_steps: np.ndarray  # latency steps of the all-reduces (or all-gather) per iteration
+    comm_bw_s: np.ndarray  # their bandwidth time per iteration
+    depth: np.ndarray  # pipeline stages of the kernel
     hbm_bw: float  # peak bytes/s per socket
     ddr_bw: float
     model_bytes: float  # bytes per token, whole model, all sockets (for the roofline)
@@ -91,7 +91,8 @@ class RDUFeatures:
 
 
 jax.tree_util.register_dataclass(RDUFeatures, data_fields=["calls", "iters", "n", "is_layer", "hbm_bytes",
-                                                           "ddr_bytes", "compute_s", "comm_s", "hbm_bw",
+                                                           "ddr_bytes", "compute_s", "comm_steps", "comm_bw_s",
+                                                           "depth", "hbm_bw",
                                                            "ddr_bw", "model_bytes"], meta_fields=["sockets"])
 
 
@@ -104,14 +105,11 @@ def rdu_features(m: Mapping) -> RDUFeatures:
         b = _socket_bytes(k, m)
         alloc = m.allocations.get(k.name)
         compute = alloc.stage_time_s if alloc else k.flops / p / hw.bf16_flops
-        if k.is_layer:
-            comm = ALLREDUCES_PER_LAYER * allreduce_s(m.activation_bytes, p, hw.p2p_latency_s, hw.p2p_bw)
-        elif k.role == "classifier":
-            comm = allreduce_s(k.other_bytes, p, hw.p2p_latency_s, hw.p2p_bw) / 2
-        else:
-            comm = 0.0
+        share = ALLREDUCES_PER_LAYER if k.is_layer else 0.5 if k.role == "classifier" else 0.0
+        steps = share * allreduce_s(0.0, p, 1.0, hw.p2p_bw)  # all-reduce latency = steps * p2p_latency_s
+        bw_s = share * allreduce_s(m.activation_bytes if k.is_layer else k.other_bytes, p, 0.0, hw.p2p_bw)
         rows.append((k.calls, k.iterations, k.calls * k.iterations, float(k.is_layer), f * b, (1 - f) * b,
-                     compute, comm))
+                     compute, steps, bw_s, pipeline_depth(k, m)))
     cols = [np.asarray(c, dtype=np.float64) for c in zip(*rows)]
     return RDUFeatures(*cols, hbm_bw=hw.hbm_bw, ddr_bw=hw.ddr_bw,
                        model_bytes=float(sum(k.calls * k.iterations * k.bytes for k in m.kernels)), sockets=p)
@@ -119,17 +117,18 @@ def rdu_features(m: Mapping) -> RDUFeatures:
 
 def rdu_time(c: dict, f: RDUFeatures, looped: bool = True):
     """Per-token time (s) of `simulate_rdu(m, looped=looped)` as a `jnp` function of the constants `c`."""
-    per_call = c["launch_s"] + (c["sync_s"] + c["fill_drain_s"])
+    per_call = c["launch_s"] + c["sync_s"] + f.depth * c["stage_fill_drain_s"]
+    comm = f.comm_steps * c["p2p_latency_s"] + f.comm_bw_s
     mem = jnp.maximum(f.hbm_bytes / (f.hbm_bw * c["hbm_efficiency"]), f.ddr_bytes / f.ddr_bw)
     layer = f.is_layer > 0
     if looped:
         calls, iters = jnp.where(layer, 1.0, f.calls), jnp.where(layer, f.n, f.iters)
-        it = jnp.where(layer, jnp.maximum(mem, f.compute_s + f.comm_s), jnp.maximum(mem, f.compute_s) + f.comm_s)
+        it = jnp.where(layer, jnp.maximum(mem, f.compute_s + comm), jnp.maximum(mem, f.compute_s) + comm)
     else:
         calls, iters = jnp.where(layer, f.n, f.calls), jnp.where(layer, 1.0, f.iters)
-        tail = f.comm_s / ALLREDUCES_PER_LAYER  # the all-reduce that ends a layer's call
-        it = jnp.where(layer, jnp.maximum(mem, f.compute_s + f.comm_s - tail) + tail,
-                       jnp.maximum(mem, f.compute_s) + f.comm_s)
+        tail = comm / ALLREDUCES_PER_LAYER  # the all-reduce that ends a layer's call
+        it = jnp.where(layer, jnp.maximum(mem, f.compute_s + comm - tail) + tail,
+                       jnp.maximum(mem, f.compute_s) + comm)
     return jnp.sum(calls * per_call + calls * iters * it)
 
 
@@ -383,7 +382,7 @@ def run_fit(steps: int = 600) -> dict:
         "what": "free constants of the rdu cost model, fitted with optax Adam on log/logit parameters",
         "loss": "mean squared log error over the train rows + %g x sum (free param - published)^2" % PRIOR_WEIGHT,
         "steps": steps, "fit_seconds": round(time.time() - t0, 1),
-        "note": "launch_s, sync_s and fill_drain_s reach the time only as a sum; their split is the prior's",
+        "note": "launch_s and sync_s reach the time only as a sum; their split is the prior's",
         "sn40l": {"published": rpub, "fitted": rdu_fit, "train_loss": rdu_loss, "hbm_tb_s": 1.8,
                   "fit_rows": [r.what for r in SN40L_ROWS if r.split == "train"],
                   "held_out_rows": [r.what for r in SN40L_ROWS if r.split == "test"]},

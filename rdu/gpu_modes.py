@@ -3,8 +3,8 @@
 The default engine loops the layers in one `lax.scan` (an XLA while loop, not a CUDA graph) and reads
 everything in place with Pallas kernels. Per layer it launches:
 
-- one flat GEMM per projection (q, k, v, o, down) and one fused SwiGLU GEMM for gate + up, reading
-  the stacked weights [L, K, N] at layer l: bytes / (flat GEMM efficiency(M) * peak), with
+- one flat GEMM per group of projections that read the same input (one kernel for q, k, v, one
+  SwiGLU kernel for gate + up) and one each for o and down, reading the stacked weights [L, K, N]: bytes / (flat GEMM efficiency(M) * peak), with
   efficiency(M) = flat_gemm_efficiency * M ** -flat_gemm_m_exponent (M = batch rows; our Mosaic
   kernel: 71% -> 66% of the jnp.sum ceiling from M = 1 to 8, KERNELS_RESULTS.md);
 - one split-K decode attention kernel over the stacked cache: KV bytes / (split_k_efficiency * peak);
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rdu.graph import DataflowGraph
 from rdu.hardware import GPUSpec
 from rdu.mapping import ALLREDUCES_PER_LAYER, Kernel
 
@@ -46,15 +47,53 @@ def _is_attention(n) -> bool:
     return "sdpa" in n.scope
 
 
-def inplace_kernel_counts(nodes) -> tuple[int, int]:
-    """(flat GEMM kernels, all kernels) of one traced layer: each projection matmul is one kernel,
-    except that the MLP's matmuls with identical operand shapes (gate, up) fuse into one SwiGLU kernel;
-    the attention ops (scope `sdpa`) are one kernel; the rest fuse as XLA does (`xla_kernel_count`)."""
+# Ops that pass a value on unchanged in content: a matmul reading x.reshape(...) reads x.
+_VIEW_OPS = frozenset({"reshape", "convert_element_type", "squeeze", "expand_dims", "broadcast_in_dim", "copy"})
+
+
+def _operand_values(g: DataflowGraph) -> dict[int, list]:
+    """For every leaf node of `g` (by `id(node)`), the value each operand reads, resolved through call
+    boundaries (a sub-graph's input is the caller's operand) and view ops: equal keys = the same tensor."""
+    out: dict[int, list] = {}
+
+    def visit(graph: DataflowGraph, env: dict[int, object]) -> None:
+        operands: dict[int, dict[int, object]] = {}
+        for e in graph.edges:
+            if e.dst != -1:
+                src = env.get(e.src_port, ("in", id(graph), e.src_port)) if e.src == -1 else (id(graph), e.src, e.src_port)
+                operands.setdefault(e.dst, {})[e.dst_port] = src
+        for n in graph.nodes:  # program order: a view's result resolves to its operand
+            ports = operands.get(n.id, {})
+            if n.children:
+                for c in n.children:
+                    visit(c, ports)
+            else:
+                out[id(n)] = [ports.get(i) for i in range(len(n.inputs))]
+                if n.op in _VIEW_OPS and 0 in ports:
+                    for e in graph.edges:
+                        if e.src == n.id and e.dst != -1:
+                            operands.setdefault(e.dst, {})[e.dst_port] = ports[0]
+
+    visit(g, {})
+    return out
+
+
+def inplace_kernel_counts(layer: DataflowGraph) -> tuple[int, int]:
+    """(flat GEMM kernels, all kernels) of one traced layer: projection matmuls that read the same
+    input tensor run as one kernel (q, k, v: `kernel_qkv`; gate, up: `kernel_swiglu`), every other
+    projection (o, down) as its own; the attention ops (scope `sdpa`) are one kernel; the rest fuse
+    as XLA does (`xla_kernel_count`)."""
     from rdu.simulate import xla_kernel_count
 
-    proj = [n for n in nodes if n.kind == "matmul" and not _is_attention(n)]
-    mlp = [tuple(map(str, n.inputs)) for n in proj if n.scope.rsplit("/", 1)[-1] == "mlp"]
-    gemms = len(proj) - (len(mlp) - len(set(mlp)))
+    nodes = [n for n, _ in layer.walk() if not n.children]
+    values = _operand_values(layer)
+    groups: list[set] = []
+    for n in nodes:
+        if n.kind == "matmul" and not _is_attention(n):
+            reads = {v for v in values[id(n)] if v is not None}
+            hit = [g for g in groups if g & reads]
+            groups = [g for g in groups if not g & reads] + [reads.union(*hit)]
+    gemms = len(groups)
     rest = xla_kernel_count([n for n in nodes if not _is_attention(n) and n.kind != "matmul"])
     return gemms, gemms + int(any(_is_attention(n) for n in nodes)) + rest
 
@@ -64,7 +103,7 @@ def inplace_terms(k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8
     """The terms of one decoder kernel (weights split n ways, KV over min(n, kv_heads) shards)."""
     from rdu.simulate import gpu_allreduce_s
 
-    gemms, count = inplace_kernel_counts(k.nodes)
+    gemms, count = inplace_kernel_counts(k.graph)
     shards = min(n_gpus, kv_heads)
     comm = ALLREDUCES_PER_LAYER * gpu_allreduce_s(activation_bytes, n_gpus, gpu)
     return InplaceTerms(count, gemms, k.weight_bytes / n_gpus, k.cache_read_bytes / shards,

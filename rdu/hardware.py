@@ -66,15 +66,21 @@ class RDUSpec(_Sourced):
     ddr_bw: float  # bytes/s per socket
     hbm_efficiency: float  # achieved / peak HBM bandwidth when streaming weights in a fused kernel
     launch_s: float  # one kernel call, hardware-orchestrated: program load + argument load + execute
-    boundary_s: float  # pipeline drain + fill + synchronization at the end of one kernel call
+    sync_s: float  # end-of-call synchronization: completion detected, the next call released
+    stage_fill_drain_s: float  # pipeline drain + fill at a call boundary, per stage of the kernel's pipeline
     p2p_bw: float  # bytes/s per socket, socket-to-socket streaming (all-reduce)
-    p2p_latency_s: float  # one hop of the P2P protocol
+    p2p_latency_s: float  # one step of the P2P protocol (send, remote PMU write, reduce)
     max_sockets: int
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def pcu_flops(self) -> float:
         return self.bf16_flops / self.pcus
+
+    def boundary_s(self, depth: int) -> float:
+        """HBM-idle time at the end of one call of a kernel whose pipeline has `depth` stages: sync,
+        then the drain of this call and the fill of the next, one stage latency per stage."""
+        return self.sync_s + depth * self.stage_fill_drain_s
 
     @property
     def stream_bw(self) -> float:
@@ -119,8 +125,8 @@ def sn40l(hbm_tb_s: float = 1.8, constants: str = "published") -> RDUSpec:
 
     Default 1.8 TB/s: the chip paper's own Table II, the primary spec sheet. 1.6 TB/s is the figure the
     successor paper uses as "peak" for its roofline percentages, so `validate` quotes % of peak on it.
-    `constants="fitted"` replaces the free constants (launch_s, boundary_s = sync + fill/drain,
-    hbm_efficiency) with those of rdu/fitted.json (fitted at 1.8 TB/s).
+    `constants="fitted"` replaces the free constants (`SN40L_FREE`) with those of rdu/fitted.json
+    (fitted at 1.8 TB/s).
     """
     _check_constants(constants)
     if hbm_tb_s not in SN40L_HBM_CHOICES:
@@ -131,10 +137,8 @@ def sn40l(hbm_tb_s: float = 1.8, constants: str = "published") -> RDUSpec:
     c = load_fitted()["sn40l"]["fitted"]
     note = "fitted (rdu/fitted.json, python -m rdu.fit) to the Kernel Looping rows; published: "
     src = dict(spec.sources)
-    return replace(spec, name=spec.name + " fitted", launch_s=c["launch_s"],
-                   boundary_s=c["sync_s"] + c["fill_drain_s"], hbm_efficiency=c["hbm_efficiency"],
-                   sources=tuple((k, note + v if k in ("launch_s", "boundary_s", "hbm_efficiency") else v)
-                                 for k, v in src.items()))
+    return replace(spec, name=spec.name + " fitted", **{k: c[k] for k in SN40L_FREE},
+                   sources=tuple((k, note + v if k in SN40L_FREE else v) for k, v in src.items()))
 
 
 def _sn40l(hbm_tb_s: float) -> RDUSpec:
@@ -142,7 +146,8 @@ def _sn40l(hbm_tb_s: float) -> RDUSpec:
         name=f"SN40L (HBM {hbm_tb_s} TB/s)",
         pcus=1040, pmus=1040, sram_bytes=520 * MIB, pmu_bytes=512 * KIB, hbm_bytes=64 * GIB,
         ddr_bytes=int(1.5 * TIB), bf16_flops=638e12, hbm_bw=hbm_tb_s * 1e12, ddr_bw=200e9,
-        hbm_efficiency=0.85, launch_s=1e-6, boundary_s=20e-6, p2p_bw=100e9, p2p_latency_s=1e-6,
+        hbm_efficiency=0.85, launch_s=1e-6, sync_s=2e-6, stage_fill_drain_s=0.5e-6, p2p_bw=100e9,
+        p2p_latency_s=1.5e-6,
         max_sockets=16,
         sources=(
             ("pcus", "SN40L paper Table II: 1040 PCUs"),
@@ -157,11 +162,17 @@ def _sn40l(hbm_tb_s: float) -> RDUSpec:
             ("hbm_efficiency", "SN40L paper §VI-B: a fused decoder layer saturates close to 85% of HBM BW"),
             ("launch_s", "assumed 1 us: hardware-orchestrated launch (SN40L §IV-D), 'virtually zero kernel "
                          "launch overheads' (§VI-B); no µs figure is published"),
-            ("boundary_s", "assumed 20 us per call: pipeline drain + fill + sync at a layer boundary (KL paper, "
-                           "DIAYN Fig. 11: HBM idles at each boundary); no µs figure is published. Order of "
-                           "magnitude of measured per-kernel overheads (LLMCompass: A100 matmul 21 us)"),
+            ("sync_s", "assumed 2 us: the AGCU detects the end of a call on the control network and releases the "
+                       "next (SN40L §IV-D); no µs figure is published"),
+            ("stage_fill_drain_s", "assumed 0.5 us per pipeline stage: at a call boundary the pipeline drains "
+                                   "and the next call's fills, stage by stage, while HBM idles (KL paper; DIAYN "
+                                   "Fig. 11: HBM drops to ~0 at each layer boundary). Scales with the kernel's "
+                                   "depth from the traced graph: a decoder layer (53-56 stages) ~27 us, the LM "
+                                   "head (8) 4 us; no µs figure is published"),
             ("p2p_bw", "assumed 100 GB/s per socket: SN40L P2P link bandwidth is NOT FOUND in any source"),
-            ("p2p_latency_s", "assumed 1 us per hop: P2P streams tile-to-tile into remote PMUs (SN40L §VII)"),
+            ("p2p_latency_s", "assumed 1.5 us per step of recursive halving/doubling (one link traversal, the "
+                              "AGCU P2P protocol, a remote PMU write and the reduce; SN40L §VII); NOT FOUND. "
+                              "On the carried activation's path, so looping cannot hide it"),
             ("max_sockets", "SambaRack SN40L-16 (KL paper: 8 and 16 sockets)"),
         ))
 
@@ -216,6 +227,7 @@ H100 = replace(
 GPUS = {"h100": H100, "h200": H200}
 
 
+SN40L_FREE = ("launch_s", "sync_s", "stage_fill_drain_s", "hbm_efficiency", "p2p_latency_s")
 GPU_FREE = ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency", "attention_efficiency")
 INPLACE_FREE = ("inplace_kernel_gap_s", "flat_gemm_efficiency", "flat_gemm_m_exponent", "split_k_efficiency")
 

@@ -1,6 +1,8 @@
 """Per-token decode time on modeled SN40L sockets and on a modeled GPU, with one cost structure.
 
-Every kernel call costs   launch + boundary (pipeline drain/fill and sync) + body,
+Every kernel call costs   launch + boundary + body, where the boundary (HBM idle) is the sync at the
+end of the call plus the pipeline's drain and the next call's fill, one stage latency per stage of the
+kernel's pipeline (its depth, from the traced graph: a decoder layer ~55 stages, the LM head 8),
 and a body iteration costs max(memory, compute [+ communication]) where
 - memory  = bytes per socket / streaming bandwidth (HBM at the fused-kernel efficiency; an HBM/DDR
   split streams as max(hbm part / hbm bw, ddr part / ddr bw), GenZ's offload rule),
@@ -10,7 +12,10 @@ and a body iteration costs max(memory, compute [+ communication]) where
 
 Kernel looping turns the L decoder calls into one call with L iterations: the launch and boundary
 are paid once, and the next layer's weights stream while the current layer computes and reduces,
-so an iteration costs max(memory, compute + communication). Without looping each of the L calls
+so an iteration costs max(memory, compute + communication). The all-reduces lie on the carried
+activation's path, so looping cannot hide them: on 8-16 sockets they bound the iteration of every
+model whose per-socket layer streams faster than two all-reduces (up to 8B at 16 sockets), which is
+why looping gains less there than on one socket, where the call boundary is the only cost it removes. Without looping each of the L calls
 pays launch + boundary + max(memory, compute + all-reduces inside the call) + the last all-reduce
 (the one after down_proj ends the call; the one after o_proj overlaps the MLP's weight stream).
 
@@ -102,9 +107,9 @@ def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> 
     `overheads=False` drops launch and boundary costs (the roofline-style lower bound).
     """
     hw, p = m.hw, m.sockets
-    launch, boundary = (hw.launch_s, hw.boundary_s) if overheads else (0.0, 0.0)
     times = []
     for k in m.kernels:
+        launch, boundary = (hw.launch_s, hw.boundary_s(pipeline_depth(k, m))) if overheads else (0.0, 0.0)
         n = k.calls * k.iterations
         calls, iters = (1, n) if (k.is_layer and looped) else (n, 1) if k.is_layer else (k.calls, k.iterations)
         b = _socket_bytes(k, m)
@@ -132,6 +137,12 @@ def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> 
     mode = "looped" if looped else "unlooped"
     return Estimate(f"{hw.name} x{p} {mode}", m.batch, sum(t.total_s for t in times), _model_bytes(m.kernels),
                     m.graph.total_flops(), p * hw.hbm_bw, sum(t.calls for t in times), times)
+
+
+def pipeline_depth(k: Kernel, m: Mapping) -> int:
+    """Stages of a kernel's pipeline (at least 1): a decoder layer's stages form one chain."""
+    alloc = m.allocations.get(k.name)
+    return max(1, len(alloc.stages)) if alloc else 1
 
 
 def _model_bytes(kernels: list[Kernel]) -> int:

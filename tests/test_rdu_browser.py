@@ -66,8 +66,10 @@ def test_70b_report_renders_and_expands(browser, page_70b, tmp_path):
     after = page.evaluate(VISIBLE_OPS)
     assert after > before + 50  # one layer body: matmuls, attention, mlp
     visible = "els => els.filter(e => e.checkVisibility()).length"
-    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 5  # q, k, v, o, down; gate and up sit in swiglu
-    loop.locator("details.call > summary").filter(has_text="swiglu").first.click()  # a nested call, collapsed
+    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 2  # o, down; q, k, v in qkv, gate, up in swiglu
+    loop.locator("details.call > summary").filter(has_text="qkv").first.click()  # a nested call, collapsed
+    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 5  # + q, k, v
+    loop.locator("details.call > summary").filter(has_text="swiglu").first.click()
     assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 7  # + gate and up
 
     # tooltips carry shapes and dtypes

@@ -71,8 +71,8 @@ def test_invariants_roofline_looping_zero_overhead(grid):
         if m.sockets == 1:
             assert bare_on.per_token_s == bare_off.per_token_s
         # The same in the JAX model: zero launch/sync/fill and zero all-reduce time.
-        f = replace(rdu_features(m), comm_s=jnp.zeros(len(m.kernels)))
-        zero = dict(rdu_constants(m.hw), launch_s=0.0, sync_s=0.0, fill_drain_s=0.0)
+        f = replace(rdu_features(m), comm_steps=jnp.zeros(len(m.kernels)), comm_bw_s=jnp.zeros(len(m.kernels)))
+        zero = dict(rdu_constants(m.hw), launch_s=0.0, sync_s=0.0, stage_fill_drain_s=0.0)
         assert float(_time(zero, f, looped=True)) == float(_time(zero, f, looped=False))
 
 
@@ -109,7 +109,7 @@ def test_jax_gpu_model_equals_reference_and_grad(gpu_b1, constants):
 
 def test_fitted_json_is_complete_and_consistent(gpu_b1):
     rec = load_fitted()
-    for grp, keys in (("sn40l", ("launch_s", "sync_s", "fill_drain_s", "hbm_efficiency")),
+    for grp, keys in (("sn40l", ("launch_s", "sync_s", "stage_fill_drain_s", "hbm_efficiency", "p2p_latency_s")),
                       ("gpu", ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency",
                                "attention_efficiency"))):
         fitted = rec[grp]["fitted"]
@@ -135,10 +135,11 @@ def test_fitted_json_is_complete_and_consistent(gpu_b1):
 def test_constants_choice():
     rec = load_fitted()
     pub, fit = sn40l(), sn40l(constants="fitted")
-    assert pub == sn40l(constants="published") and pub.boundary_s == 20e-6  # default: published
-    assert fit.launch_s == rec["sn40l"]["fitted"]["launch_s"]
-    assert fit.boundary_s == pytest.approx(rec["sn40l"]["fitted"]["sync_s"] + rec["sn40l"]["fitted"]["fill_drain_s"])
-    assert "fitted" in fit.source("boundary_s") and fit.pcus == pub.pcus
+    assert pub == sn40l(constants="published") and pub.stage_fill_drain_s == 0.5e-6  # default: published
+    assert pub.boundary_s(55) == pytest.approx(2e-6 + 55 * 0.5e-6)  # sync + depth * per-stage fill/drain
+    for k in ("launch_s", "sync_s", "stage_fill_drain_s", "p2p_latency_s"):
+        assert getattr(fit, k) == rec["sn40l"]["fitted"][k] and "fitted" in fit.source(k)
+    assert fit.pcus == pub.pcus
     assert gpu("h200", "fitted").eager_op_s == rec["gpu"]["fitted"]["eager_op_s"]
     assert gpu("h200") is H200
     with pytest.raises(ValueError, match="constants"):
@@ -205,7 +206,7 @@ def test_jax_inplace_model_equals_reference_and_grad(constants):
         assert ref.per_token_s == pytest.approx(
             gpu_estimate(g, spec, batch=b, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="looped_inplace",
                          n_gpus=n).per_token_s)
-        assert ref.calls_per_token == cfg.n_layers * 14 + 4  # 6 GEMMs + attention + 7 XLA kernels; embed + head
+        assert ref.calls_per_token == cfg.n_layers * 12 + 4  # 4 GEMMs + attention + 7 XLA kernels; embed + head
         f = inplace_features(ks, spec, batch=b, **kw)
         c = inplace_constants(spec)
         assert float(inplace_time(gpu_constants(spec), c, f)) == pytest.approx(ref.per_token_s, rel=REL)

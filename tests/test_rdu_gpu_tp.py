@@ -139,3 +139,30 @@ def test_cli_constants_and_gpus(capsys):
 def test_cli_bad_values_exit_2_with_one_line(argv, match, capsys):
     code, out, err = _rdu(argv, capsys)
     assert code == 2 and err.count("\n") == 1 and match in err
+
+
+def test_inplace_gemm_count_groups_matmuls_by_shared_input():
+    """looped_inplace: projections that read the same tensor are one kernel, whether or not they sit in
+    one jitted call (q, k, v in `qkv`; gate, up in `swiglu`) and through reshapes; others one each."""
+    import jax
+    import jax.numpy as jnp
+
+    from rdu.gpu_modes import inplace_kernel_counts
+    from rdu.trace import trace
+
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    three = jax.jit(lambda x, a, b, c: (x @ a, x @ b, x @ c))
+
+    def shared(x, a, b, c, d):  # q, k, v of one x (inside a call and inline), then an o-like matmul
+        q, k, v = three(x, a, b, c)
+        return (q + k + v) @ d, x.reshape(1, 64) @ a
+
+    def separate(x, a, b, c, d):
+        return (x @ a) @ b, ((x * 2) @ c) @ d
+
+    g1 = trace(shared, s(1, 64), s(64, 64), s(64, 64), s(64, 64), s(64, 64))
+    g2 = trace(separate, s(1, 64), s(64, 64), s(64, 64), s(64, 64), s(64, 64))
+    assert inplace_kernel_counts(g1)[0] == 2 and inplace_kernel_counts(g2)[0] == 4
+    cfg = get_preset("llama-3.1-8b")
+    layer = next(k for k in fuse(trace_decode_step(cfg, 1, 1152, looped=False)) if k.is_layer)
+    assert inplace_kernel_counts(layer.graph) == (4, 12)  # qkv, o, gate.up, down; + attention + 7 XLA
