@@ -31,7 +31,7 @@ from kernels import flat_gemm
 TABLES_DIR = pathlib.Path(__file__).parent / "tables"
 TABLE_ENV = "KERNELS_TUNE_TABLE"
 FORMS = ("plain", "looped")
-GEMM_IMPLS = ("gemv", "mosaic", "triton", "xla")
+GEMM_IMPLS = ("gemv", "mosaic", "stream", "triton", "xla")
 ATTENTION_IMPLS = ("async", "sync", "xla")
 GEMV_MAX_M = 1  # the gemv kernel takes one row (flat_gemm impl="gemv")
 MOSAIC_MAX_M = 256  # wgmma N side of the Mosaic kernel
@@ -39,7 +39,7 @@ MOSAIC_MAX_M = 256  # wgmma N side of the Mosaic kernel
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  impl: str  # "mosaic" | "triton" | "gemv" | "xla" for GEMMs; "async" | "sync" | "xla" for attention
+  impl: str  # "mosaic" | "stream" | "triton" | "gemv" | "xla" for GEMMs; "async" | "sync" | "xla" for attention
   reason: str
 
 
@@ -98,7 +98,7 @@ def parse_table(data: dict, path: str = "<dict>") -> Table:
       where = f"{path}: gemm[{i}]"
       if e["form"] not in FORMS:
         raise ValueError(f"{where}: form {e['form']!r} not in {FORMS}")
-      if e["flat_impl"] not in ("mosaic", "triton") or e.get("gemv_impl", "gemv") != "gemv":
+      if e["flat_impl"] not in ("mosaic", "stream", "triton") or e.get("gemv_impl", "gemv") != "gemv":
         raise ValueError(f"{where}: unknown impl in {e}")
       m1, m2 = _int_or_none(e["m1"], f"{where}.m1"), _int_or_none(e["m2"], f"{where}.m2")
       if m1 is None or (m2 is not None and m2 < m1):
@@ -174,7 +174,7 @@ def choose_gemm(m: int, n: int, k: int, *, looped: bool = False,
     return Choice(e.flat_impl, f"M={m} < M1, but GEMV is not extrapolated to an unprofiled shape: {tail}")
   if e.m2 is not None and m >= e.m2:
     return Choice("xla", f"M={m} >= M2: XLA dot; {tail}")
-  if e.flat_impl == "mosaic" and m > MOSAIC_MAX_M:
+  if e.flat_impl in ("mosaic", "stream") and m > MOSAIC_MAX_M:
     return Choice("xla", f"M={m} > {MOSAIC_MAX_M}, the Mosaic kernel's limit: XLA dot; {tail}")
   why = f"M1 <= M={m} < M2" if e.m2 is not None else f"M={m} >= M1 and XLA never won"
   return Choice(e.flat_impl, f"{why}: {tail}")
