@@ -1,11 +1,11 @@
 """Offline profiler for the heuristic dataflow (FlashDecoding++ §5): inflection points per [N, K].
 
 For each [N, K] and form ("plain": one call on W [K, N]; "looped": one layer of a stacked [L, K, N]
-inside a loop over layers) it times the GEMV, the flat GEMMs (mosaic, triton) and XLA's dot over
-M = 1, 2, 4, ..., 128, then walks M upwards as the paper does:
+inside a loop over layers) it times the GEMV, the flat GEMMs (mosaic, stream, triton) and XLA's dot
+over M = 1, 2, 4, ..., 128, then walks M upwards as the paper does:
 
-  flat_impl  the flat kernel, mosaic (the supported backend) unless triton's geometric-mean time
-             over the profiled M is lower by more than `margin`;
+  flat_impl  the flat kernel: mosaic (the supported backend) unless a later one in FLAT_IMPLS has a
+             geometric-mean time over the profiled M lower by more than `margin`;
   M1         the first M where the flat kernel beats the GEMV by more than `margin` (the GEMV only
              takes M <= 1, so M1 <= 2);
   M2         the first M where XLA beats the implementation in use by more than `margin`;
@@ -38,11 +38,13 @@ from jax import lax
 from kernels import decode_attention as da
 from kernels import dispatch
 from kernels import flat_gemm as fg
+from kernels import flat_gemm_stream as fs
 from kernels.shapes import MODELS, ModelDims
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 MARGIN = 0.05  # a challenger must be >5% faster to displace the incumbent (noise on the H200)
-FLAT_IMPLS = ("mosaic", "triton")  # preference order: Mosaic GPU is the supported Pallas backend
+# preference order: Mosaic GPU is the supported Pallas backend (tile per CTA, then Stream-K)
+FLAT_IMPLS = ("mosaic", "stream", "triton")
 L2_BYTES = 60 * 2**20  # H200; weights rotate over sets > 2.5x this so every call reads HBM
 
 Timings = dict[str, dict[int, float]]  # impl -> M -> µs per call (per layer when looped)
@@ -179,7 +181,7 @@ def runnable(impl: str, m: int, n: int, k: int, cfg: fg.BlockSizes = fg.BlockSiz
     return False
   if impl == "gemv":
     return m <= dispatch.GEMV_MAX_M
-  return impl != "mosaic" or m <= dispatch.MOSAIC_MAX_M
+  return impl not in ("mosaic", "stream") or m <= dispatch.MOSAIC_MAX_M
 
 
 def device_timer(*, reps: int = 16, runs: int = 5, interpret: bool = False,
@@ -190,6 +192,9 @@ def device_timer(*, reps: int = 16, runs: int = 5, interpret: bool = False,
   def gemm(impl):
     if impl == "xla":
       return lambda x, w, l=None: jnp.dot(x, w if l is None else w[l])
+    if impl == "stream":
+      cfg = fs.StreamBlocks(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
+      return lambda x, w, l=None: fs.flat_gemm_multi(x, (w,), l, block_sizes=cfg, interpret=interpret)[0]
     return lambda x, w, l=None: fg.flat_gemm(x, w, l, impl=impl, block_sizes=block_sizes,
                                              interpret=interpret)
 

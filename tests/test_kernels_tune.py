@@ -75,7 +75,7 @@ def test_profile_then_dispatch_uses_the_table():
     if not tune.runnable(impl, m, s.n, s.k):
       return None
     t = _timings(xla={mm: 100.0 for mm in MS}) if s.form == "looped" else _timings()
-    return t[impl].get(m)
+    return t.get(impl, {}).get(m)
 
   gemm = tune.profile_gemm(shapes, timer, MS, log=lambda *a: None)
   assert "gemv" in gemm[shapes[0]] and list(gemm[shapes[0]]["gemv"]) == [1]
