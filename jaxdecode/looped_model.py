@@ -8,20 +8,24 @@ per-step stacking or copying. One plan is traced per input shape (prefill and de
 Modes (`LOOP_MODES`): "slice" (the scan slices the stacks), "whole" (the body takes row i with
 `dynamic_index_in_dim`), "inplace" ("whole" plus the in-place hooks: the layer's `x @ W` dots read
 W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel (`kernel_stacked_dot`),
-the model's `swiglu` call runs as one two-weight kernel (`kernel_swiglu`), the KV cache is written
-in place in the scan carry, and attention (the model's `sdpa` call) reads layer i of the stacked
-cache in place with `kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks "inplace" on
-a GPU and "slice" elsewhere: on a GPU XLA copies each W[i] out of its stack before a dot.
+the model's `swiglu` call runs as one two-weight kernel (`kernel_swiglu`), its `qkv` call as one
+three-weight stream kernel (`kernel_qkv`), the KV cache is written in place in the scan carry, and
+attention (the model's `sdpa` call) reads layer i of the stacked cache in place with
+`kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks
+"inplace" on a GPU and "slice" elsewhere: on a GPU XLA copies each W[i] out of its stack before a dot.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
-from kernels import decode_attention, dispatch, flat_gemm
+from kernels import decode_attention, dispatch, flat_gemm, flat_gemm_stream
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
@@ -43,7 +47,8 @@ def default_loop_mode() -> str:
 def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes, weights: int = 1) -> str | None:
     """The flat-GEMM kernel `kernels.dispatch` picks for a looped x [M, K] · W[i] ([K, N]), or None
     where XLA's dot should run (off Hopper, shapes the kernels do not tile, inputs not 16-bit, or
-    Mosaic pipeline stages of x and `weights` weight tiles that do not fit in shared memory)."""
+    pipeline stages that do not fit in shared memory: Mosaic's x and `weights` weight tiles, two of them;
+    the Stream-K kernel's x and one weight tile, two of them beside its flush buffer)."""
     if dtype not in (jnp.bfloat16, jnp.float16):
         return None
     impl = dispatch.choose_gemm(m, n, k, looped=True, block_sizes=block_sizes).impl
@@ -52,6 +57,8 @@ def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes,
     # two pipeline stages must fit (as flat_gemm counts them); until 2026-11-30 this hook also doubled
     # the bytes, which sent one-weight looped GEMMs with M > 40 to XLA and would reject every SwiGLU
     if impl == "xla" or (impl == "mosaic" and 2 * stage_bytes > block_sizes.smem_bytes):
+        return None
+    if impl == "stream" and _stream_blocks(block_sizes).max_stages(m8, jnp.dtype(dtype).itemsize) < 2:
         return None
     return impl
 
@@ -70,7 +77,15 @@ def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
         return None
     if impl is None and (impl := _gemm_impl(m, n, k, x.dtype, block_sizes)) is None:
         return None
+    if impl == "stream":
+        return flat_gemm_stream.flat_gemm_multi(x, (stack,), index, block_sizes=_stream_blocks(block_sizes),
+                                                interpret=interpret)[0]
     return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
+
+
+def _stream_blocks(block_sizes: flat_gemm.BlockSizes) -> flat_gemm_stream.StreamBlocks:
+    """The Stream-K kernel's tiles for a dispatch decision made with `block_sizes`' tiles."""
+    return flat_gemm_stream.StreamBlocks(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
 
 
 def kernel_swiglu(x, w_gate, w_up, *, impl: str | None = None,
@@ -90,11 +105,55 @@ def kernel_swiglu(x, w_gate, w_up, *, impl: str | None = None,
         return None
     if impl is None:
         impl = _gemm_impl(m, f, d, x.dtype, block_sizes, weights=2)
-        if impl not in ("mosaic", "triton"):  # the gemv path has no SwiGLU form
+        if impl not in ("mosaic", "stream", "triton"):  # the gemv path has no SwiGLU form
             return None
+    if impl == "stream":
+        g, u = flat_gemm_stream.flat_gemm_multi(x.reshape(m, d), (w_gate.stack, w_up.stack), w_gate.index,
+                                                out_dtype=jnp.float32, block_sizes=_stream_blocks(block_sizes),
+                                                interpret=interpret)  # [M, F] each
+        return [(jax.nn.silu(g) * u).astype(x.dtype).reshape(*lead, f)]
     y = flat_gemm.flat_gemm_swiglu(x.reshape(m, d), w_gate.stack, w_up.stack, w_gate.index, impl=impl,
                                    block_sizes=block_sizes, interpret=interpret)
     return [y.reshape(*lead, f)]
+
+
+def kernel_qkv(x, w_q, w_k, w_v, *biases, impl: str | None = None, gemm=None,
+               block_sizes: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
+               interpret: bool = False):
+    """The `stacked_calls["qkv"]` hook: `model.qkv` as one `flat_gemm_multi` launch that reads x once
+    and the three stacked weights in place. x [..., D]; w_q, w_k, w_v `StackedRef`s of [L, D, N_i]
+    stacks; biases () or (b_q, b_k, b_v), added after the kernel as the model adds them. Returns
+    [q, k, v] ([..., N_i]), or None (then the three dots go through `kernel_stacked_dot` one by one).
+
+    `gemm(x [M, D], stacks, layer, *, out_dtype) -> tuple of [M, N_i]` defaults to the stream kernel.
+    `impl=None` asks `kernels.dispatch` (via `_gemm_impl`, for the fused width ΣN_i); `impl="stream"`
+    (tests, with an injected `gemm`) skips the dispatch and 16-bit checks, not the tile check.
+    """
+    weights = (w_q, w_k, w_v)
+    if not all(isinstance(w, StackedRef) for w in weights) or len(biases) not in (0, 3):
+        return None
+    if any(x.dtype != w.stack.dtype for w in weights):
+        return None
+    d = w_q.stack.shape[1]
+    widths = [w.stack.shape[2] for w in weights]  # N*H, K*H, K*H
+    lead = x.shape[:-1]
+    m = int(np.prod(lead, dtype=int))
+    if d % block_sizes.tile_k or any(n % block_sizes.tile_n for n in widths):
+        return None
+    if impl is None:
+        gemm_blocks = flat_gemm.BlockSizes(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
+        if m > dispatch.MOSAIC_MAX_M or _gemm_impl(m, sum(widths), d, x.dtype, gemm_blocks) is None:
+            return None
+    elif impl != "stream":
+        raise ValueError(f"kernel_qkv impl must be None or 'stream', got {impl!r}")
+    if gemm is None:
+        gemm = functools.partial(flat_gemm_stream.flat_gemm_multi, block_sizes=block_sizes, interpret=interpret)
+    outs = gemm(x.reshape(m, d), tuple(w.stack for w in weights), w_q.index, out_dtype=x.dtype)
+    outs = [y.reshape(*lead, n) for y, n in zip(outs, widths)]  # [..., N_i]
+    if biases:
+        outs = [y + (lax.dynamic_index_in_dim(b.stack, b.index, keepdims=False) if isinstance(b, StackedRef) else b)
+                for y, b in zip(outs, biases)]  # [..., N_i]
+    return outs
 
 
 MAX_ATTENTION_ROWS = 64  # T·G query rows per kv head the attention kernel takes (decode, short chunks)
@@ -133,7 +192,7 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
 
 
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
-KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu}
+KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv}
 
 
 def _spec(x) -> jax.ShapeDtypeStruct:
@@ -151,7 +210,7 @@ class LoopedForward:
         self.mode = mode
         self.index_mode = "slice" if mode == "slice" else "whole"
         self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
-        # in place: the model's `sdpa` and `swiglu` calls go to kernels (`jaxdecode.inplace`)
+        # in place: the model's `sdpa`, `swiglu` and `qkv` calls go to kernels (`jaxdecode.inplace`)
         self._calls = dict(calls or KERNEL_CALLS) if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)

@@ -110,9 +110,12 @@ class Attention(nnx.Module):
     ) -> tuple[Array, Array, Array]:
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.n_heads, cfg.head_dim)  # [B, T, N, H]
-        k = self.k_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
-        v = self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        biases = [p.bias[...] for p in projs] if cfg.qkv_bias else []
+        q, k, v = qkv(x, *(p.weight[...] for p in projs), *biases)  # [B, T, N*H], [B, T, K*H] x 2
+        q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)  # [B, T, N, H]
+        k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
+        v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         with jax.named_scope("kv_cache_update"):
@@ -126,6 +129,18 @@ class Attention(nnx.Module):
         if cfg.tp_axis is not None:  # tensor parallel: each device's heads give a partial sum
             out = jax.lax.psum(out, cfg.tp_axis)
         return out, k_cache, v_cache
+
+
+@jax.jit
+def qkv(x: Array, w_q: Array, w_k: Array, w_v: Array, *biases: Array) -> tuple[Array, Array, Array]:
+    """(x @ w_q, x @ w_k, x @ w_v), each plus its bias when `biases` = (b_q, b_k, b_v) is given: what
+    three `Linear`s compute. x [..., D]; w_q [D, N*H], w_k, w_v [D, K*H]. One module-level jitted
+    function, so the in-place looped decode can run it as one three-weight kernel (`kernel_qkv`)."""
+    with jax.named_scope("qkv"):
+        outs = [x @ w for w in (w_q, w_k, w_v)]  # [..., N*H], [..., K*H], [..., K*H]
+        if biases:
+            outs = [y + bias for y, bias in zip(outs, biases, strict=True)]
+        return tuple(outs)
 
 
 @jax.jit

@@ -37,8 +37,14 @@ class StreamBlocks:
 
   tile_n: int = 64  # weight columns per unit: the wgmma M side
   tile_k: int = 256  # reduction depth per unit (one pipeline step)
-  stages: int = 4  # TMA stages in flight per CTA (>= 2)
+  stages: int = 4  # TMA stages in flight per CTA (>= 2); cut to what fits in smem_bytes
   ctas: int | None = None
+  smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
+
+  def max_stages(self, m8: int, itemsize: int = 2) -> int:
+    """The most pipeline stages whose x and weight tiles fit beside the [2, tile_n, M8] f32 flush buffer."""
+    per_stage = self.tile_k * (m8 + self.tile_n) * itemsize
+    return (self.smem_bytes - 2 * self.tile_n * m8 * 4) // per_stage
 
 
 def flat_gemm_multi_reference(x, ws, layer=None, out_dtype=None):
@@ -192,9 +198,11 @@ def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
   if k % cfg.tile_k or any(n % cfg.tile_n for n in ns):
     raise ValueError(f"K={k} / N={ns} must be multiples of tile_k={cfg.tile_k} / tile_n={cfg.tile_n}")
   sched = schedule(k, ns, cfg, cfg.ctas or default_ctas())
-  if cfg.stages < 2:  # step j refills the slot of step j-1, so two slots is the least that works
-    raise ValueError(f"the stream flat GEMM needs stages >= 2, got {cfg.stages}")
-  stages = max(2, min(cfg.stages, sched.units_per_cta))
+  fit = cfg.max_stages(m8, x.dtype.itemsize)
+  if cfg.stages < 2 or fit < 2:  # step j refills the slot of step j-1: two slots is the least that works
+    raise ValueError(f"the stream flat GEMM needs 2 pipeline stages, got stages={cfg.stages} and room for "
+                     f"{fit} in {cfg.smem_bytes} bytes of shared memory at M={m}")
+  stages = max(2, min(cfg.stages, fit, sched.units_per_cta))
   kernel = functools.partial(_stream_kernel, sched=sched, tile_n=cfg.tile_n, tile_k=cfg.tile_k,
                              stages=stages)
   out = plgpu.kernel(

@@ -12,12 +12,13 @@ from jax import lax
 
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
-from jaxdecode.inplace import output_aliases
-from jaxdecode.looped_model import LoopedForward, kernel_attention, kernel_stacked_dot, kernel_swiglu
+from jaxdecode.inplace import StackedRef, output_aliases
+from jaxdecode.looped_model import LoopedForward, kernel_attention, kernel_qkv, kernel_stacked_dot, kernel_swiglu
 from jaxdecode.looping import kernel_loop
 from jaxdecode.model import init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm import BlockSizes
+from kernels.flat_gemm_stream import StreamBlocks, flat_gemm_multi_reference
 from tests.test_looping import D, L, _inputs, decoder
 
 RTOL = ATOL = 1e-5  # f32; the interpret-mode kernel sums K in tiles, so the order differs from XLA's dot
@@ -27,6 +28,17 @@ interpret_dot = functools.partial(kernel_stacked_dot, impl="triton", block_sizes
 interpret_attention = functools.partial(kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2),
                                         interpret=True)
 interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
+
+
+@functools.partial(jax.jit, static_argnames="out_dtype")
+def stream_reference(x, ws, layer, *, out_dtype):
+    """The stream kernel's jnp reference as one named call: it stands in for `flat_gemm_multi`."""
+    return flat_gemm_multi_reference(x, ws, layer, out_dtype)
+
+
+# The qkv hook with the reference injected (no Mosaic GPU on the CPU); tiles of 16 divide 48 and 16.
+reference_qkv = functools.partial(kernel_qkv, impl="stream", gemm=stream_reference,
+                                  block_sizes=StreamBlocks(tile_n=16, tile_k=16))
 
 
 def _plain_dot(x, stack, i, out_dtype):  # reads W[i] with a dynamic slice: the same values as a dot on the row
@@ -155,10 +167,10 @@ def tiny():
     return init_random(get_preset("tiny-gqa"))
 
 
-def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu):
+def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu, qkv=None):
     engine = Engine(model, loop_mode="inplace")
     engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
-    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu}
+    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu} | ({"qkv": qkv} if qkv else {})
     return engine
 
 
@@ -236,3 +248,87 @@ def test_dispatch_hook_falls_back_off_hopper():
         assert kernel_stacked_dot(x, stack, jnp.int32(1), jnp.bfloat16) is None  # CPU: XLA
     assert kernel_stacked_dot(x.astype(jnp.float32), stack.astype(jnp.float32), 0, jnp.float32) is None  # 16-bit only
     assert kernel_stacked_dot(x, stack, 0, jnp.float32) is None  # f32 output from bf16: keep XLA's dot
+
+
+@pytest.fixture(scope="module", params=["tiny-gqa", "tiny-qwen2"])
+def qkv_model(request):
+    """GQA models without and with q/k/v biases; the biases random (init_random makes them zero)."""
+    model = init_random(get_preset(request.param), seed=2)
+    keys = iter(jax.random.split(jax.random.key(3), 3 * model.cfg.n_layers))
+    for layer in model.layers if model.cfg.qkv_bias else []:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.set_value(jax.random.normal(next(keys), proj.bias.shape, proj.bias.dtype))
+    return model
+
+
+def test_engine_qkv_hook_equals_unrolled(qkv_model):
+    """Prefill logits (M = 14 rows) and greedy decode (M = 2) through the qkv hook equal the unrolled model."""
+    tokens = np.random.default_rng(0).integers(0, qkv_model.cfg.vocab_size, (2, 7))
+    unrolled = Engine(qkv_model, loop_layers=False)
+    engine = _inplace_engine(qkv_model, qkv=reference_qkv)
+    np.testing.assert_allclose(engine.forward_logits(tokens), unrolled.forward_logits(tokens), rtol=RTOL, atol=ATOL)
+    prompts, kwargs = [[1, 2, 3, 4, 5], [7, 8, 9]], dict(max_new_tokens=6, chunk=3)
+    assert engine.generate(prompts, **kwargs).token_ids == unrolled.generate(prompts, **kwargs).token_ids
+
+
+def test_engine_qkv_stacks_feed_one_kernel_call(qkv_model):
+    """In the looped decode step the q, k and v weight stacks [L, D, N_i] go to one call of the
+    injected kernel per layer step, whole, with nothing else (no row slice) reading them."""
+    cfg = qkv_model.cfg
+    jaxpr = _decode_step_jaxpr(_inplace_engine(qkv_model, qkv=reference_qkv))
+    assert [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"] == [cfg.n_layers]
+    body = _scan_body(jaxpr)
+    calls = [e for e in body.eqns if e.primitive.name in ("jit", "pjit") and e.params["name"] == "stream_reference"]
+    assert len(calls) == 1
+    stacks = [v for v in calls[0].invars if v in set(body.invars) and v.aval.ndim == 3]
+    assert [v.aval.shape for v in stacks] == [(cfg.n_layers, cfg.dim, n) for n in (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)]
+    for stack in stacks:
+        assert [e for e in body.eqns if stack in e.invars] == calls
+    names = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
+    assert names.count("flat_gemm") == 2, names  # only o and down are single dots now
+
+
+def test_qkv_hook_declines():
+    x = jnp.ones((2, 256), jnp.bfloat16)  # [M, D]
+    wq, wkv = jnp.ones((3, 256, 128), jnp.bfloat16), jnp.ones((3, 256, 64), jnp.bfloat16)  # [L, D, N_i]
+    refs = (StackedRef(wq, jnp.int32(1)), StackedRef(wkv, jnp.int32(1)), StackedRef(wkv, jnp.int32(1)))
+    forced = functools.partial(kernel_qkv, impl="stream", gemm=stream_reference)
+    if jax.default_backend() == "cpu":
+        assert kernel_qkv(x, *refs, gemm=stream_reference) is None  # dispatch: XLA off the GPU
+    assert kernel_qkv(x.astype(jnp.float32), *refs, gemm=stream_reference) is None  # 16-bit only
+    assert forced(x.astype(jnp.float32), *refs) is None  # x and weights of different dtypes
+    assert forced(x, *refs[:2], wkv[1]) is None  # a weight that is not stacked
+    assert forced(x, *refs, block_sizes=StreamBlocks(tile_n=128)) is None  # N_kv = 64 does not tile
+    q, k, v = forced(x, *refs)
+    assert (q.shape, k.shape, v.shape) == ((2, 128), (2, 64), (2, 64)) and q.dtype == jnp.bfloat16
+
+
+def test_qkv_hook_default_runs_the_stream_kernel():
+    """The hook's default `gemm` (the stream kernel, Mosaic GPU interpreter on the CPU) with biases."""
+    keys = jax.random.split(jax.random.key(4), 7)
+    x = jax.random.normal(keys[0], (3, 256), jnp.bfloat16)  # [M, D]
+    ws = [jax.random.normal(kk, (2, 256, n), jnp.bfloat16) for kk, n in zip(keys[1:4], (128, 64, 64))]  # [L, D, N_i]
+    bs = [jax.random.normal(kk, (2, n), jnp.bfloat16) for kk, n in zip(keys[4:], (128, 64, 64))]  # [L, N_i]
+    i = jnp.int32(1)
+    got = kernel_qkv(x, *(StackedRef(a, i) for a in ws + bs), impl="stream", interpret=True,
+                     block_sizes=StreamBlocks(tile_n=64, tile_k=128, ctas=3))
+    want = [y + b[1] for y, b in zip(flat_gemm_multi_reference(x, ws, 1), bs)]
+    for a, b in zip(got, want):  # f32 sums in another order, one bf16 rounding: 1 ulp (< 1%) of slack
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_dot_and_swiglu_hooks_run_the_stream_kernel():
+    """impl="stream" (what a tuned table may pick) in the one-weight and SwiGLU hooks: the Stream-K
+    kernel in Mosaic GPU's interpreter against the jnp references, one bf16 rounding of slack."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (3, 256), jnp.bfloat16)  # [M, D]
+    wg, wu = (jax.random.normal(kk, (2, 256, 128), jnp.bfloat16) / 16 for kk in keys[1:])  # [L, D, F]
+    blocks = BlockSizes(tile_n=64, tile_k=128)
+    i = jnp.int32(1)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-2, atol=1e-2)
+    y = kernel_stacked_dot(x, wg, i, jnp.bfloat16, impl="stream", block_sizes=blocks, interpret=True)
+    close(np.asarray(y, np.float32), np.asarray(flat_gemm_multi_reference(x, (wg,), 1)[0], np.float32))
+    (h,) = kernel_swiglu(x[None], StackedRef(wg, i), StackedRef(wu, i), impl="stream", block_sizes=blocks,
+                         interpret=True)  # x [1, M, D]
+    g, u = flat_gemm_multi_reference(x, (wg, wu), 1, jnp.float32)
+    close(np.asarray(h[0], np.float32), np.asarray((jax.nn.silu(g) * u).astype(jnp.bfloat16), np.float32))
