@@ -144,6 +144,8 @@ def kernel_qkv(x, w_q, w_k, w_v, *biases, impl: str | None = None, gemm=None,
         gemm_blocks = flat_gemm.BlockSizes(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
         if m > dispatch.MOSAIC_MAX_M or _gemm_impl(m, sum(widths), d, x.dtype, gemm_blocks) is None:
             return None
+        if block_sizes.max_stages(-(-m // 8) * 8, x.dtype.itemsize) < 2:  # e.g. a long prefill chunk
+            return None
     elif impl != "stream":
         raise ValueError(f"kernel_qkv impl must be None or 'stream', got {impl!r}")
     if gemm is None:

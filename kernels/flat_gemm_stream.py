@@ -13,7 +13,9 @@ tile t is c - first_cta(t). Which (slot, tile) pairs are written is static, so t
 XLA fusion: sum the written slots, split the weights apart, apply the epilogue.
 
 As in `flat_gemm`, the operands are swapped for wgmma: yᵀ[tile_n, M8] += W[l]ᵀ[tile_n, tile_k] ·
-xᵀ[tile_k, M8], so weight rows fill the 64-row side and the batch (padded to 8) is the narrow side.
+xᵀ[tile_k, M8], so weight rows fill the 64-row side and the batch (M8 = M rounded up to 8) is the
+narrow side. x is not padded in memory: its TMA box has M8 rows and the copy fills the rows past M
+with zeros (out of bounds), which saves the pad fusion a caller would otherwise run per call.
 The layer index is read inside the kernel (`w.at[layer]`): stacked weights are never copied.
 
 Tested on the CPU with Mosaic GPU's interpreter (`interpret=True`), compiled on Hopper.
@@ -112,7 +114,7 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   *w_gmems, o_gmem = refs  # weights [L, K, N_i]; out [P, T·tile_n, M8] f32
-  m8 = x_gmem.shape[0]
+  m8 = -(-x_gmem.shape[0] // 8) * 8
   ks, per_cta, units = sched.ks, sched.units_per_cta, sched.units
   starts = np.cumsum((0,) + sched.tiles)  # first tile of each weight
   layer = layer_gmem[0]
@@ -126,7 +128,8 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
       u = u0 + j
       t, kk = lax.div(u, ks), lax.rem(u, ks)
       ksl = pl.ds(kk * tile_k, tile_k)
-      plgpu.copy_gmem_to_smem(x_gmem.at[:, ksl], x_smem.at[slot], bars.at[slot])
+      # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
+      plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, m8), ksl], x_smem.at[slot], bars.at[slot])
       for i, w in enumerate(w_gmems):
         @pl.when((t >= starts[i]) & (t < starts[i + 1]))
         def _():
@@ -213,7 +216,7 @@ def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
       # The interpreter's GMEM starts as NaN, so a slot the schedule calls written but the kernel
       # skipped shows up (tests check it).
       interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-  )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, ((0, m8 - m), (0, 0))), *ws)
+  )(jnp.asarray(layer, jnp.int32).reshape(1), x, *ws)
   return out, sched
 
 
