@@ -67,6 +67,30 @@ def check_correctness():
                            rel_err=max(errs), ok=max(errs) < 1e-2))
 
 
+def check_every_m():
+  """Compiled correctness for every M = 1..64 (batch sizes are arbitrary), two tilings."""
+  kb.log("\n== stream kernel, compiled, every M ==")
+  tilings = {"default": (4096, (4096, 1024, 1024), fs.StreamBlocks()),
+             "small": (256, (128,), fs.StreamBlocks(tile_n=64, tile_k=128, stages=2, ctas=7))}
+  for label, (k, ns, cfg) in tilings.items():
+    bad = []
+    for m in range(1, 65):
+      key = jax.random.split(jax.random.key(m), len(ns) + 1)
+      x = jax.random.normal(key[0], (m, k), jnp.bfloat16)
+      ws = tuple((jax.random.normal(kk, (2, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+                 for kk, n in zip(key[1:], ns))
+      try:
+        out = fs.flat_gemm_multi(x, ws, jnp.int32(1), block_sizes=cfg)
+        err = max(kb.rel_err(o, r) for o, r in zip(out, fs.flat_gemm_multi_reference(x, ws, 1)))
+      except Exception as e:  # noqa: BLE001
+        err, msg = float("nan"), f"{type(e).__name__}: {str(e)[:300]}"
+        kb.log(f"  {label} M={m}: {msg}")
+      if not err < 1e-2:
+        bad.append(m)
+      kb.RESULTS.append(dict(group="every_m", name=f"{label}_m{m}", rel_err=err))
+    kb.log(f"  {label}: M with a wrong or failed result: {bad or 'none'}")
+
+
 def _weights(k, ns, seed=0):
   keys = jax.random.split(jax.random.key(seed), len(ns))
   return tuple(jax.random.normal(kk, (LAYERS, k, n), jnp.bfloat16) * 0.02 for kk, n in zip(keys, ns))
@@ -241,7 +265,7 @@ def main():
   path = os.path.join(args.out, "stream_gemm_gpu.json")
   meta = dict(jax=jax.__version__, device=dev.device_kind, date=time.strftime("%Y-%m-%d %H:%M UTC"),
               ceiling=kb.CEILING, xla_flags=os.environ.get("XLA_FLAGS"))
-  sections = dict(correct=check_correctness, loop=bench_loop, sweep=bench_sweep,
+  sections = dict(correct=check_correctness, every_m=check_every_m, loop=bench_loop, sweep=bench_sweep,
                   profile=lambda: profile_decode(args.out))
   t0 = time.time()
   for name in args.only.split(","):

@@ -396,7 +396,9 @@ def decode_attention_sync(
   """
   q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret,
                                        poison)
-  active = jnp.ones(q_rows.shape[:2], jnp.int32)  # [B, K]: every (sequence, kv head) program runs
+  # [B, K]: every (sequence, kv head) program runs. A numpy constant, so XLA embeds it instead of
+  # launching a broadcast kernel per call (per layer in a looped decode).
+  active = np.ones(q_rows.shape[:2], np.int32)
   o, _ = _sync_partials(q_rows, k, v, layer, lengths, active, **kw)
   return _from_rows(o, kw["tokens"], kw["group"]).astype(q.dtype)
 
