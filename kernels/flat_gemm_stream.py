@@ -14,8 +14,8 @@ XLA fusion: sum the written slots, split the weights apart, apply the epilogue.
 
 As in `flat_gemm`, the operands are swapped for wgmma: yᵀ[tile_n, M8] += W[l]ᵀ[tile_n, tile_k] ·
 xᵀ[tile_k, M8], so weight rows fill the 64-row side and the batch (M8 = M rounded up to 8) is the
-narrow side. x is not padded in memory: its TMA box has M8 rows and the copy fills the rows past M
-with zeros (out of bounds), which saves the pad fusion a caller would otherwise run per call.
+narrow side. Where it can (M <= 8 or a multiple of 8), x is not padded in memory: its TMA box has M8
+rows and the copy fills the rows past M with zeros, which saves a pad fusion per call.
 The layer index is read inside the kernel (`w.at[layer]`): stacked weights are never copied.
 
 Tested on the CPU with Mosaic GPU's interpreter (`interpret=True`), compiled on Hopper.
@@ -114,7 +114,7 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   *w_gmems, o_gmem = refs  # weights [L, K, N_i]; out [P, T·tile_n, M8] f32
-  m8 = -(-x_gmem.shape[0] // 8) * 8
+  m8 = -(-x_gmem.shape[0] // 8) * 8  # x [M, K] (M <= 8 or a multiple of 8) or padded to [M8, K]
   ks, per_cta, units = sched.ks, sched.units_per_cta, sched.units
   starts = np.cumsum((0,) + sched.tiles)  # first tile of each weight
   layer = layer_gmem[0]
@@ -216,8 +216,16 @@ def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
       # The interpreter's GMEM starts as NaN, so a slot the schedule calls written but the kernel
       # skipped shows up (tests check it).
       interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-  )(jnp.asarray(layer, jnp.int32).reshape(1), x, *ws)
+  )(jnp.asarray(layer, jnp.int32).reshape(1), x if tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
+    *ws)
   return out, sched
+
+
+def tma_reads_unpadded(m: int) -> bool:
+  """Whether the kernel can read x [M, K] as it is: its TMA box has M8 rows, and Mosaic GPU takes a
+  GMEM dimension that is smaller than the 8-row tiling or a multiple of it (H200: M = 9..15, 17..23,
+  ... fail to lower), so those M get one pad to M8 first."""
+  return m <= 8 or m % 8 == 0
 
 
 def combine(partials, sched: Schedule, tile_n: int, m: int) -> jax.Array:
