@@ -29,15 +29,19 @@ class GPURow:
 
 
 B = "BENCHMARKS.md 2026-11-30 (results_loop_gpu_8b_inplace.json)"
-S = "BENCHMARKS.md 2026-11-30 06:04 (results_bench_gpu_8b.jsonl)"
-SQ = "BENCHMARKS.md 2026-11-30 06:05 (results_bench_gpu_qwen.jsonl)"
-SQ2 = "BENCHMARKS.md 2026-11-30 06:12 (results_bench_gpu_qwen.jsonl, last row: dispatch table without GEMV)"
+# The bench suite, one NVIDIA H200, `jaxdecode bench`, run 2026-11-30 08:50-08:58 UTC (after q, k, v became one
+# Stream-K kernel per layer); the summary line of each file gives its end time and read ceiling.
+S = "BENCHMARKS.md 2026-11-30 08:57 UTC (benchmarks/results_bench_gpu_8b.jsonl, read ceiling 4330 GB/s)"
+SQ = "BENCHMARKS.md 2026-11-30 08:58 UTC (benchmarks/results_bench_gpu_qwen.jsonl, read ceiling 4348 GB/s)"
+# Earlier bench runs of the same day, since overwritten in those files (kept as CONFLICTS alternatives only).
+SQ_OLD = "BENCHMARKS.md 2026-11-30 06:05 run (results_bench_gpu_qwen.jsonl, since overwritten)"
+SQ2_OLD = "BENCHMARKS.md 2026-11-30 06:12 run (results_bench_gpu_qwen.jsonl, since overwritten)"
 TPS = "BENCHMARKS.md 2026-11-30 (results_tp_gpu.json, benchmarks/tp_gpu.py)"
 A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
 # it, batch-1 rows cannot split the time between per-kernel overhead and M=1 bandwidth, and that split is
 # what sets every batch > 1 prediction); hold out the other batch-8 and all batch-32 rows. "unrolled, b8"
-# is the fit row's configuration measured in another run (4.54 vs 4.94 ms), not an independent test. The in-place
+# is the fit row's configuration measured in another run (4.54 vs 4.96 ms), not an independent test. The in-place
 # looped rows are modeled as "xla": the model has no term for flat_gemm's bandwidth vs cuBLAS's. The bench
 # suite's cache holds context + 128 tokens (cache_len 1152 / 8320), which attention reads whole.
 H200_ROWS = (
@@ -48,37 +52,36 @@ H200_ROWS = (
     GPURow("HF static cache + torch.compile, b1 (as xla)", 7.01, "xla", 1, "train", B),
     GPURow("plain JAX unrolled, b1", 5.97, "xla", 1, "train", A),
     GPURow("plain JAX lax.scan, b1", 12.53, "scan_copy", 1, "train", A),
-    GPURow("suite unrolled, b1 ctx 1k", 5.830, "xla", 1, "train", S, context=1152),
-    GPURow("suite unrolled, b1 ctx 8k", 6.134, "xla", 1, "train", S, context=8320),
-    GPURow("suite HF static + compile, b1 ctx 1k (decode only, as xla)", 6.146, "xla", 1, "train", S, context=1152),
+    GPURow("suite unrolled, b1 ctx 1k", 5.808, "xla", 1, "train", S, context=1152),
+    GPURow("suite unrolled, b1 ctx 8k", 6.119, "xla", 1, "train", S, context=8320),
+    GPURow("suite HF static + compile, b1 ctx 1k (decode only, as xla)", 6.002, "xla", 1, "train", S, context=1152),
     GPURow("unrolled, b8", 4.542, "xla", 8, "test", B),
     GPURow("looped, plain lax.scan (weight copy), b8", 12.421, "scan_copy", 8, "test", B),
     GPURow("looped in place (modeled as xla), b8", 6.082, "xla", 8, "test", B),
     GPURow("plain JAX unrolled, b8 (1042 tok/s)", 8e3 / 1042.0, "xla", 8, "test", A),
     GPURow("plain JAX unrolled, b32 (1857 tok/s)", 32e3 / 1857.0, "xla", 32, "test", A),
-    GPURow("suite unrolled, b8 ctx 1k", 4.885, "xla", 8, "train", S, context=1152),
-    GPURow("suite unrolled, b8 ctx 8k", 7.467, "xla", 8, "test", S, context=8320),
-    GPURow("suite unrolled, b32 ctx 1k", 6.645, "xla", 32, "test", S, context=1152),
-    GPURow("suite unrolled, b32 ctx 8k", 15.991, "xla", 32, "test", S, context=8320),
-    GPURow("suite unrolled, Qwen2.5-7B b1 ctx 1k", 4.883, "xla", 1, "test", SQ, context=1152, model="qwen2.5-7b"),
-    GPURow("suite unrolled, Qwen2.5-7B b8 ctx 1k", 4.720, "xla", 8, "test", SQ, context=1152, model="qwen2.5-7b"),
+    GPURow("suite unrolled, b8 ctx 1k", 4.961, "xla", 8, "train", S, context=1152),
+    GPURow("suite unrolled, b8 ctx 8k", 7.538, "xla", 8, "test", S, context=8320),
+    GPURow("suite unrolled, b32 ctx 1k", 6.693, "xla", 32, "test", S, context=1152),
+    GPURow("suite unrolled, b32 ctx 8k", 16.283, "xla", 32, "test", S, context=8320),
+    GPURow("suite unrolled, Qwen2.5-7B b1 ctx 1k", 4.868, "xla", 1, "test", SQ, context=1152, model="qwen2.5-7b"),
+    GPURow("suite unrolled, Qwen2.5-7B b8 ctx 1k", 4.846, "xla", 8, "test", SQ, context=1152, model="qwen2.5-7b"),
 )
 # Our default engine ("ours": looped in place, Pallas kernels), `jaxdecode bench`, GPU mode "looped_inplace"
 # (rdu.gpu_modes). Train on the Llama-3.1-8B 1k rows and Qwen2.5-7B batch 8; hold out every 8k row and
 # Qwen batch 1. One Qwen row is in the fit because the Llama rows alone (all 32 layers) cannot split the
-# time between per-kernel gaps (per layer) and GEMM bandwidth (per weight byte); the held-out Qwen row
-# is the one measured with the GEMV-free dispatch table the engine now uses. The first Qwen batch-1 row
-# (6.29 ms, GEMV on unprofiled shapes) is superseded and not used (CONFLICTS). The Llama 1k batch 1/8
-# rows of the second run (5.20, 5.82 ms, 06:12) agree within 0.5% and are not separate configurations.
+# time between per-kernel gaps (per layer) and GEMM bandwidth (per weight byte). All eight rows are the
+# 08:50-08:58 UTC run of the engine with q, k, v as one Stream-K kernel per layer (4 GEMM kernels per
+# layer); the morning's rows (three q/k/v kernels, 06:04-06:12) are superseded and not used.
 INPLACE_ROWS = (
-    GPURow("ours, Llama-3.1-8B b1 ctx 1k", 5.193, "looped_inplace", 1, "train", S, context=1152),
-    GPURow("ours, Llama-3.1-8B b8 ctx 1k", 5.790, "looped_inplace", 8, "train", S, context=1152),
-    GPURow("ours, Llama-3.1-8B b32 ctx 1k", 7.245, "looped_inplace", 32, "train", S, context=1152),
-    GPURow("ours, Qwen2.5-7B b8 ctx 1k", 4.857, "looped_inplace", 8, "train", SQ, context=1152, model="qwen2.5-7b"),
-    GPURow("ours, Llama-3.1-8B b1 ctx 8k", 5.498, "looped_inplace", 1, "test", S, context=8320),
-    GPURow("ours, Llama-3.1-8B b8 ctx 8k", 7.454, "looped_inplace", 8, "test", S, context=8320),
-    GPURow("ours, Llama-3.1-8B b32 ctx 8k", 13.769, "looped_inplace", 32, "test", S, context=8320),
-    GPURow("ours, Qwen2.5-7B b1 ctx 1k", 4.714, "looped_inplace", 1, "test", SQ2, context=1152, model="qwen2.5-7b"),
+    GPURow("ours, Llama-3.1-8B b1 ctx 1k", 4.832, "looped_inplace", 1, "train", S, context=1152),
+    GPURow("ours, Llama-3.1-8B b8 ctx 1k", 5.214, "looped_inplace", 8, "train", S, context=1152),
+    GPURow("ours, Llama-3.1-8B b32 ctx 1k", 6.304, "looped_inplace", 32, "train", S, context=1152),
+    GPURow("ours, Qwen2.5-7B b8 ctx 1k", 4.778, "looped_inplace", 8, "train", SQ, context=1152, model="qwen2.5-7b"),
+    GPURow("ours, Llama-3.1-8B b1 ctx 8k", 5.169, "looped_inplace", 1, "test", S, context=8320),
+    GPURow("ours, Llama-3.1-8B b8 ctx 8k", 6.904, "looped_inplace", 8, "test", S, context=8320),
+    GPURow("ours, Llama-3.1-8B b32 ctx 8k", 13.012, "looped_inplace", 32, "test", S, context=8320),
+    GPURow("ours, Qwen2.5-7B b1 ctx 1k", 4.564, "looped_inplace", 1, "test", SQ, context=1152, model="qwen2.5-7b"),
 )
 # The same engine under tensor parallelism (shard_map, 2 psums per layer), cache 1088 (1024 + 16 + 32
 # rounded up to 64), 32 steps: reported with the fitted constants, never fitted.
@@ -146,7 +149,7 @@ CONFLICTS = {c.name: c for c in (
     Conflict("h200_hf_eager_b1_ms", "ms/token", 38.555, "same run and harness as the other BENCHMARKS rows",
              ((38.555, B + ", whole generate / tokens"), (20.6, A + ", HF generate eager"))),
     Conflict("h200_hf_static_b1_ms", "ms/token", 7.01, "same run as the loop_gpu rows (all three are fit rows)",
-             ((7.01, B + ", whole generate / tokens"), (7.60, A), (6.146, S + ", decode steps only"))),
+             ((7.01, B + ", whole generate / tokens"), (7.60, A), (6.002, S + ", decode steps only"))),
     Conflict("h200_attention_efficiency", "fraction of read BW, XLA einsum decode attention", 0.71,
              "CUDA-timed, 32 calls per jit; the slope over sizes excludes per-call overheads the model counts apart",
              ((0.71, "KERNELS_RESULTS.md: slope 3.06 TB/s / 4318 GB/s"),
@@ -154,12 +157,14 @@ CONFLICTS = {c.name: c for c in (
     Conflict("h200_unrolled_b8_ms", "ms/step, Llama-3.1-8B, cache ~1k", 4.542,
              "our engine; the plain-JAX peer of h200-anchors is 1.7x slower at batch 8 for a reason not "
              "identified (it agrees at batch 1)",
-             ((4.542, B), (4.885, S), (8e3 / 1042.0, A + ", plain JAX peer, 1042 tok/s"))),
-    Conflict("h200_unrolled_b32_ms", "ms/step, Llama-3.1-8B, cache ~1k", 6.645,
+             ((4.542, B), (4.961, S), (8e3 / 1042.0, A + ", plain JAX peer, 1042 tok/s"))),
+    Conflict("h200_unrolled_b32_ms", "ms/step, Llama-3.1-8B, cache ~1k", 6.693,
              "our engine; the plain-JAX peer is 2.6x slower at batch 32 (not identified)",
-             ((6.645, S), (32e3 / 1857.0, A + ", plain JAX peer, 1857 tok/s"))),
-    Conflict("h200_ours_qwen_b1_ms", "ms/step, Qwen2.5-7B looped in place, b1 ctx 1k", 4.714,
-             "the dispatch the engine now uses (GEMV only on profiled shapes); the first row took GEMV for every "
+             ((6.693, S), (32e3 / 1857.0, A + ", plain JAX peer, 1857 tok/s"))),
+    Conflict("h200_ours_qwen_b1_ms", "ms/step, Qwen2.5-7B looped in place, b1 ctx 1k", 4.564,
+             "the engine as it is now (q, k, v one Stream-K kernel per layer, GEMV only on profiled shapes); the "
+             "06:12 row is the same dispatch with q, k, v as three kernels, the 06:05 row took GEMV for every "
              "looped projection from the nearest Llama shape",
-             ((4.714, SQ2), (6.285, SQ + ", GEMV on unprofiled shapes (superseded)"))),
+             ((4.564, SQ), (4.714, SQ2_OLD + ", q/k/v as three kernels (superseded)"),
+              (6.285, SQ_OLD + ", GEMV on unprofiled shapes (superseded)"))),
 )}
