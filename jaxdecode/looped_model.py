@@ -168,11 +168,12 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
 
     q [B, T, N, H]; k_cache, v_cache `StackedRef`s of the carried [L, B, S, K, H] stacks at layer i
     (already holding this step's new rows); positions [B, T], contiguous per sequence, so the kernel's
-    lengths are positions[:, -1] + 1. Returns [out [B, T, N, H]], or None (the caller then runs
-    `sdpa` on the materialized rows): for prefill-sized T·G, for a cache length the kernel would
-    have to pad (a copy of the stack), and, with `impl=None`, where `kernels.dispatch` says "xla"
-    (off Hopper) or the dtype is not 16-bit. The synchronized kernel is the default choice on the
-    H200 (kernels/tables/h200.json); "async" runs with φ = 0 and its exact fallback.
+    lengths are positions[:, -1] + 1 (added inside the kernel: `length_offset=1`). Returns
+    [out [B, T, N, H]], or None (the caller then runs `sdpa` on the materialized rows): for
+    prefill-sized T·G, for a cache length the kernel would have to pad (a copy of the stack), and,
+    with `impl=None`, where `kernels.dispatch` says "xla" (off Hopper) or the dtype is not 16-bit.
+    The synchronized kernel is the default choice on the H200 (kernels/tables/h200.json); "async"
+    runs with φ = 0 and its exact fallback.
     """
     if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)):
         return None
@@ -184,12 +185,12 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
         impl = dispatch.choose_attention().impl
         if impl == "xla" or q.dtype not in (jnp.bfloat16, jnp.float16):
             return None
-    lengths = positions[:, -1].astype(jnp.int32) + 1  # [B]
-    kw = dict(layer=k_cache.index, block_sizes=block_sizes, interpret=interpret)
+    last = positions[:, -1].astype(jnp.int32)  # [B]: the kernel adds 1 (lengths), not a kernel of XLA's
+    kw = dict(layer=k_cache.index, block_sizes=block_sizes, length_offset=1, interpret=interpret)
     if impl == "async":
-        out, _ = decode_attention.decode_attention_async(q, k_cache.stack, v_cache.stack, lengths, 0.0, **kw)
+        out, _ = decode_attention.decode_attention_async(q, k_cache.stack, v_cache.stack, last, 0.0, **kw)
     else:
-        out = decode_attention.decode_attention_sync(q, k_cache.stack, v_cache.stack, lengths, **kw)
+        out = decode_attention.decode_attention_sync(q, k_cache.stack, v_cache.stack, last, **kw)
     return [out.astype(q.dtype)]
 
 

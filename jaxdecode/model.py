@@ -119,8 +119,13 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         with jax.named_scope("kv_cache_update"):
-            # Each sequence writes its T new rows at its own start position.
-            write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (p, 0, 0)))
+            # Each sequence writes its T new rows at its own start position. One sequence is one
+            # dynamic_update_slice: vmap would make it a scatter, which XLA guards with an
+            # out-of-range check (two more kernels per cache write on a GPU; the values are equal).
+            if b == 1:
+                write = lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (0, p[0], 0, 0))  # noqa: E731
+            else:
+                write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (p, 0, 0)))
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])  # [B, S, K, H]
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])  # [B, S, K, H]
 

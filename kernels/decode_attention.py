@@ -104,9 +104,10 @@ def _block(q, load, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_s
 
 
 def _async_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int,
-                  stacked: bool):
+                  stacked: bool, length_offset: int):
   """refs: [row_ref] (stacked only), then
-  inputs  len_ref [] int32, phi_ref [] f32 (the unified max value φ), q_ref [R, H],
+  inputs  len_ref [] int32 (the length less `length_offset`), phi_ref [] f32 (the unified max
+          value φ), q_ref [R, H],
           k_ref, v_ref ([S/splits, H], or the whole stack [L·B, S, K, H] when stacked);
   outputs acc_ref [R, H] f32 (Σ e^{x-φ}·v over this split), l_ref [R] f32 (Σ e^{x-φ})."""
   row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
@@ -114,7 +115,7 @@ def _async_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int,
   load = _split_loader(row_ref, split_len)
   rows, head_dim = q_ref.shape
   split_start = pl.program_id(2) * split_len
-  length, phi = len_ref[()], phi_ref[()]
+  length, phi = len_ref[()] + length_offset, phi_ref[()]
   row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
   q = q_ref[...]  # [R, H]
 
@@ -134,17 +135,19 @@ def _async_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int,
 
 
 def _sync_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int,
-                 stacked: bool):
+                 stacked: bool, length_offset: int, gated: bool):
   """refs: [row_ref] (stacked only), then
-  inputs  len_ref [] int32, active_ref [] int32 (0 skips the program: rows needing no recompute),
-          q_ref [R, H], k_ref, v_ref (as in `_async_kernel`);
+  inputs  len_ref [] int32 (as in `_async_kernel`), active_ref [] int32 (only when `gated`: 0 skips
+          the program, for rows needing no recompute), q_ref [R, H], k_ref, v_ref (as there);
   outputs acc_ref [R, H] f32 (Σ e^{x-m}·v), l_ref [R] f32 (Σ e^{x-m}), m_ref [R] f32 (running max)."""
   row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
-  len_ref, active_ref, q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref = refs
+  len_ref, refs = refs[0], refs[1:]
+  active_ref, refs = (refs[0], refs[1:]) if gated else (None, refs)
+  q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref = refs
   load = _split_loader(row_ref, split_len)
   rows, head_dim = q_ref.shape
   split_start = pl.program_id(2) * split_len
-  length = len_ref[()]
+  length = len_ref[()] + length_offset
   row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
   q = q_ref[...]  # [R, H]
 
@@ -160,7 +163,8 @@ def _sync_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, 
     return correction[:, None] * acc + pv, correction * l + p.sum(axis=1), m_next
 
   n = _num_blocks(length, split_start, split_len, block_k)
-  n = jnp.where(active_ref[()] != 0, n, 0)
+  if gated:
+    n = jnp.where(active_ref[()] != 0, n, 0)
   init = (
       jnp.zeros((rows, head_dim), jnp.float32),
       jnp.zeros((rows,), jnp.float32),
@@ -206,7 +210,7 @@ def _pad_cache(k, v, cfg: BlockSizes, stacked: bool):
 
 
 def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, group, tokens,
-                    cfg, interpret, poison):
+                    length_offset, cfg, interpret, poison, **kernel_kw):
   """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs.
 
   k, v come padded by `_pad_cache`: [B, S_pad, K, H], or stacks [L, B, S, K, H] read at row
@@ -239,7 +243,8 @@ def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, 
     out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
   body = functools.partial(kernel, sm_scale=sm_scale, block_k=cfg.block_k, group=group,
-                           tokens=tokens, split_len=split_len, stacked=stacked)
+                           tokens=tokens, split_len=split_len, stacked=stacked,
+                           length_offset=length_offset, **kernel_kw)
   inputs = [*scalars, q, k, v]
   n_in = len(inputs)
   if poison:
@@ -279,11 +284,12 @@ def _from_rows(x, tokens: int, group: int):
   return x.reshape(batch, tokens, kv_heads * group, *x.shape[4:])  # [B, T, N, ...]
 
 
-def _sync_partials(q_rows, k, v, layer, lengths, active, *, sm_scale, group, tokens, cfg, interpret,
-                   poison):
-  acc, l, m = _attention_call(
-      _sync_kernel, (lengths, active), q_rows, k, v, layer, num_out=3, sm_scale=sm_scale, group=group,
-      tokens=tokens, cfg=cfg, interpret=interpret, poison=poison)
+def _sync_partials(q_rows, k, v, layer, lengths, active, **kw):
+  """The synchronized kernel's partials combined: o [B, K, R, H] and log Σ e^x [B, K, R]. `active`
+  [B, K] gates the programs (the recompute fallback), or None: all run, with no gate input."""
+  scalars = (lengths,) if active is None else (lengths, active)
+  acc, l, m = _attention_call(_sync_kernel, scalars, q_rows, k, v, layer, num_out=3,
+                              gated=active is not None, **kw)
   m_all = m.max(axis=2, keepdims=True)  # [B, K, 1, R]
   correction = jnp.exp(m - m_all)  # [B, K, splits, R]
   l = (correction * l).sum(axis=2)  # [B, K, R]
@@ -308,7 +314,7 @@ def _check(q, k, v, lengths, layer):
     raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
 
 
-def _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison):
+def _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison, length_offset=0):
   """Checks, q as rows [B, K, R, H], the cache padded to whole blocks, and the kernels' keywords."""
   _check(q, k, v, lengths, layer)
   _, tokens, heads, head_dim = q.shape
@@ -316,12 +322,12 @@ def _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison):
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   k, v = _pad_cache(k, v, block_sizes, layer is not None)  # [B, S_pad, K, H]
   kw = dict(sm_scale=sm_scale, group=heads // kv_heads, tokens=tokens, cfg=block_sizes,
-            interpret=interpret, poison=poison)
+            interpret=interpret, poison=poison, length_offset=length_offset)
   return _to_rows(q, kv_heads), k, v, lengths.astype(jnp.int32), kw
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "window", "block_sizes", "recompute",
-                                             "interpret", "poison"))
+                                             "length_offset", "interpret", "poison"))
 def decode_attention_async(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H]
@@ -334,6 +340,7 @@ def decode_attention_async(
     window: SoftmaxWindow = SoftmaxWindow(),
     block_sizes: BlockSizes = BlockSizes(),
     recompute: bool = True,
+    length_offset: int = 0,
     interpret: bool = False,
     poison: bool = False,
 ) -> tuple[jax.Array, AsyncInfo]:
@@ -342,7 +349,9 @@ def decode_attention_async(
   Any S works: an S that is not a multiple of splits·block_k is padded (one copy of the cache) and
   masked by length. With `layer` (an int32 scalar, may be traced), k and v are stacked caches
   [L, B, S, K, H] and layer `layer` is read in place (S must then be a multiple of block_k): the
-  looped decode's attention. poison=True (tests) runs the kernels on NaN-filled output buffers.
+  looped decode's attention. The kernels see `lengths + length_offset` valid entries: the looped
+  decode passes each sequence's last position with offset 1, so no add runs per layer outside the
+  kernel. poison=True (tests) runs the kernels on NaN-filled output buffers.
 
   Equivalent to the following JAX code (ignoring the returned AsyncInfo):
 
@@ -351,7 +360,7 @@ def decode_attention_async(
     o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
   """
   q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret,
-                                       poison)
+                                       poison, length_offset)
   batch, tokens = q.shape[:2]
   group = kw["group"]
   phi_b = jnp.broadcast_to(jnp.asarray(phi, jnp.float32), (batch,))  # [B]
@@ -371,7 +380,8 @@ def decode_attention_async(
   return _from_rows(o, tokens, group).astype(q.dtype), info
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "length_offset", "interpret",
+                                             "poison"))
 def decode_attention_sync(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H]
@@ -381,12 +391,14 @@ def decode_attention_sync(
     layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
+    length_offset: int = 0,
     interpret: bool = False,
     poison: bool = False,
 ) -> jax.Array:
   """Split-K decode attention with the synchronized (online, running-max) softmax.
 
-  Any S works (padded and masked as in `decode_attention_async`); `layer` and poison as there.
+  Any S works (padded and masked as in `decode_attention_async`); `layer`, `length_offset` and
+  poison as there.
 
   Equivalent to the following JAX code:
 
@@ -395,11 +407,10 @@ def decode_attention_sync(
     o = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(s, axis=-1), v).reshape(B, T, N, H)
   """
   q_rows, k, v, lengths, kw = _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret,
-                                       poison)
-  # [B, K]: every (sequence, kv head) program runs. A numpy constant, so XLA embeds it instead of
-  # launching a broadcast kernel per call (per layer in a looped decode).
-  active = np.ones(q_rows.shape[:2], np.int32)
-  o, _ = _sync_partials(q_rows, k, v, layer, lengths, active, **kw)
+                                       poison, length_offset)
+  # Every (sequence, kv head) program runs, so the kernel takes no gate input: even a constant
+  # array of ones costs a broadcast kernel per call (per layer in a looped decode) on the GPU.
+  o, _ = _sync_partials(q_rows, k, v, layer, lengths, None, **kw)
   return _from_rows(o, kw["tokens"], kw["group"]).astype(q.dtype)
 
 

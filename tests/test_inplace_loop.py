@@ -211,21 +211,23 @@ def _stack_uses(jaxpr, stacks, uses):
                 _stack_uses(callee, [callee.invars[p] for p in hits], uses)
                 continue
             uses[eqn.primitive.name] = uses.get(eqn.primitive.name, 0) + 1
-            if eqn.primitive.name in ("scatter", "reshape"):
+            if eqn.primitive.name in ("scatter", "dynamic_update_slice", "reshape"):
                 nxt.update(eqn.outvars)
         frontier = nxt - frontier
     return uses
 
 
-def test_engine_inplace_cache_never_copied(tiny):
+@pytest.mark.parametrize("batch, write", [(2, "scatter"), (1, "dynamic_update_slice")])
+def test_engine_inplace_cache_never_copied(tiny, batch, write):
     """In the looped decode step the [L, B, S, K, H] cache stacks are touched only by the in-place
-    writes (scatters into the carried stacks) and the attention kernel (pallas_call on the whole
-    stacks): no row of the cache is read out (dynamic slice) or written back whole."""
-    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny)))
+    writes (scatters into the carried stacks; one sequence writes with a dynamic_update_slice) and
+    the attention kernel (pallas_call on the whole stacks): no row of the cache is read out (dynamic
+    slice) or written back whole."""
+    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny), batch=batch))
     stacks = [v for v in body.invars if getattr(v.aval, "ndim", 0) == 5]
     assert len(stacks) == 2
     uses = _stack_uses(body, stacks, {})
-    assert uses == {"scatter": 2, "reshape": 2, "pallas_call": 1}, uses  # K, V: write, flatten, one read
+    assert uses == {write: 2, "reshape": 2, "pallas_call": 1}, uses  # K, V: write, flatten, one read
     calls = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
     assert calls.count("decode_attention_sync") == 1 and calls.count("flat_gemm_swiglu") == 1, calls
     assert calls.count("flat_gemm") == 5, calls  # q, k, v, o and down: every other dot reads in place

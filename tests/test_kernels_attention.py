@@ -183,6 +183,18 @@ def test_poison_shows_unwritten_outputs():
   q, k, v, lengths = _inputs(shape)
   q_rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
   acc, l = da._attention_call(lambda *refs, **kw: None, (lengths, lengths), q_rows, k, v, None,
-                              num_out=2, sm_scale=1.0, group=1, tokens=1, cfg=BLOCKS,
+                              num_out=2, sm_scale=1.0, group=1, tokens=1, length_offset=0, cfg=BLOCKS,
                               interpret=True, poison=True)
   assert np.isnan(acc).all() and np.isnan(l).all()
+
+
+def test_length_offset_is_added_inside_the_kernel():
+  """`length_offset=1` with lengths - 1 (what the looped decode passes: last positions) gives the
+  reference at lengths, for both kernels; without the offset the result changes."""
+  q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"], seed=3)
+  ref, _ = da.decode_attention_reference(q, k, v, lengths)
+  kw = dict(block_sizes=BLOCKS, interpret=True, poison=True)
+  _close(da.decode_attention_sync(q, k, v, lengths - 1, length_offset=1, **kw), ref)
+  _close(da.decode_attention_async(q, k, v, lengths - 1, 0.0, length_offset=1, **kw)[0], ref)
+  shorter = da.decode_attention_sync(q, k, v, lengths - 1, **kw)  # one position fewer per sequence
+  assert np.abs(np.asarray(shorter, np.float32) - np.asarray(ref, np.float32)).max() > 10 * ATOL[jnp.bfloat16]
