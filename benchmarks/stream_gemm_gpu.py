@@ -13,6 +13,7 @@ Sections:
   weights of the projection), torch (one cuBLAS matmul on the weights concatenated, 32 calls in a
   CUDA graph: the hardware's best case, no launch gaps).
 - sweep: stream tile and stage choices at M = 1 and 8.
+- gemv: the M = 1 GEMV path's tile, split and warp choices on the o projection.
 - profile: one decode chunk of the engine (Llama-3.1-8B, random bf16, batch 1, 1k context) under
   `jax.profiler.trace`; GPU kernel time per kernel kind, and the gaps between kernels.
 The ceiling (sum over 4 GiB, jax and torch) is measured first; % is of the higher of the two.
@@ -181,6 +182,29 @@ def bench_sweep():
     del ws
 
 
+def bench_gemv():
+  """The M = 1 GEMV path (kernels/flat_gemm, impl "gemv") on the o projection, looped over 32 stacked
+  layers, over tile, split and warp choices; the default BlockSizes() row is the shipped choice."""
+  kb.log("\n== gemv: o projection (K 4096, N 4096), M = 1, µs per layer ==")
+  k, ns = PROJECTIONS["o"]
+  ws = _weights(k, ns)
+  configs = [fg.BlockSizes()] + [
+      fg.BlockSizes(tile_n=tn, tile_k=tk, k_splits=sp, num_warps=nw, num_stages=st)
+      for tn, tk, sp, nw, st in [(64, 256, 8, 4, 3), (128, 256, 4, 4, 3), (128, 256, 8, 4, 3),
+                                 (128, 128, 8, 4, 3), (128, 128, 16, 4, 3), (256, 128, 8, 8, 3),
+                                 (256, 64, 16, 8, 3), (64, 128, 8, 4, 3), (64, 512, 2, 4, 3),
+                                 (128, 512, 4, 8, 3), (32, 256, 4, 2, 3), (32, 512, 2, 4, 3),
+                                 (64, 256, 4, 4, 4), (128, 128, 8, 4, 4), (64, 64, 16, 2, 4),
+                                 (128, 64, 16, 4, 4)]]
+  for cfg in configs:
+    fn = lambda x, ws, l, cfg=cfg: fg.flat_gemm(x, ws[0], l, impl="gemv", block_sizes=cfg)  # noqa: E731
+    us = kb.attempt(f"gemv/{cfg}", lambda: time_loop(fn, ws, 1, k, unrolled=False))
+    if us is not None:
+      kb.record("gemv", "o_m1", f"gemv_n{cfg.tile_n}_k{cfg.tile_k}_s{cfg.k_splits}_w{cfg.num_warps}"
+                f"_st{cfg.num_stages}", us, k * sum(ns) * 2, m=1)
+  del ws
+
+
 def profile_decode(out_dir):
   """Kernel time per kind and gaps, one decode chunk of the engine (8B, batch 1, 1k context)."""
   from jaxdecode.bench import time_engine
@@ -266,7 +290,7 @@ def main():
   meta = dict(jax=jax.__version__, device=dev.device_kind, date=time.strftime("%Y-%m-%d %H:%M UTC"),
               ceiling=kb.CEILING, xla_flags=os.environ.get("XLA_FLAGS"))
   sections = dict(correct=check_correctness, every_m=check_every_m, loop=bench_loop, sweep=bench_sweep,
-                  profile=lambda: profile_decode(args.out))
+                  gemv=bench_gemv, profile=lambda: profile_decode(args.out))
   t0 = time.time()
   for name in args.only.split(","):
     kb.attempt(name, sections[name])

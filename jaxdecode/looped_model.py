@@ -9,9 +9,9 @@ Modes (`LOOP_MODES`): "slice" (the scan slices the stacks), "whole" (the body ta
 `dynamic_index_in_dim`), "inplace" ("whole" plus the in-place hooks: the layer's `x @ W` dots read
 W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel (`kernel_stacked_dot`),
 the model's `swiglu` call runs as one two-weight kernel (`kernel_swiglu`), its `qkv` call as one
-three-weight stream kernel (`kernel_qkv`), the KV cache is written in place in the scan carry, and
-attention (the model's `sdpa` call) reads layer i of the stacked cache in place with
-`kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks
+three-weight stream kernel (`kernel_qkv`), its `rms_norm` calls as one kernel each (`kernel_rms_norm`),
+the KV cache is written in place in the scan carry, and attention (the model's `sdpa` call) reads
+layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks
 "inplace" on a GPU and "slice" elsewhere: on a GPU XLA copies each W[i] out of its stack before a dot.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from kernels import decode_attention, dispatch, flat_gemm, flat_gemm_stream
+from kernels import decode_attention, dispatch, flat_gemm, flat_gemm_stream, rms_norm
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
@@ -194,8 +194,29 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
     return [out.astype(q.dtype)]
 
 
+def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool = False):
+    """The `stacked_calls["rms_norm"]` hook: `model.rms_norm` as one `kernels.rms_norm` launch that
+    reads the layer's norm weight in place (XLA runs a norm as two kernels, a reduction and a scale).
+    x [..., D]; weight a `StackedRef` of the [L, D] stack; eps the model's (a constant of the traced
+    layer). Returns [y [..., D]], or None (the call is then evaluated as written): when eps is not a
+    constant, and, with `impl=None`, off the GPU or for inputs that are not 16-bit."""
+    if not isinstance(weight, StackedRef) or isinstance(x, StackedRef) or x.dtype != weight.stack.dtype:
+        return None
+    try:
+        eps = float(eps)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
+    if impl is None:
+        if jax.default_backend() != "gpu" or x.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+    elif impl != "triton":
+        raise ValueError(f"kernel_rms_norm impl must be None or 'triton', got {impl!r}")
+    y = rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight.stack, weight.index, eps=eps, interpret=interpret)
+    return [y.reshape(x.shape)]
+
+
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
-KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv}
+KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm}
 
 
 def _spec(x) -> jax.ShapeDtypeStruct:

@@ -86,9 +86,17 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:  # x: [..., D]
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+@jax.jit
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """weight * x / rms(x) over the last axis, in float32, rounded to x's dtype before the weight.
+    One module-level jitted function, so the in-place looped decode can run it as one kernel that
+    reads the stacked weight in place (`kernel_rms_norm`); eps stays an argument the hook can read."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
 
 
 class Attention(nnx.Module):

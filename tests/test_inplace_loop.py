@@ -13,7 +13,8 @@ from jax import lax
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
 from jaxdecode.inplace import StackedRef, output_aliases
-from jaxdecode.looped_model import LoopedForward, kernel_attention, kernel_qkv, kernel_stacked_dot, kernel_swiglu
+from jaxdecode.looped_model import (LoopedForward, kernel_attention, kernel_qkv, kernel_rms_norm, kernel_stacked_dot,
+                                    kernel_swiglu)
 from jaxdecode.looping import kernel_loop
 from jaxdecode.model import init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
@@ -28,6 +29,7 @@ interpret_dot = functools.partial(kernel_stacked_dot, impl="triton", block_sizes
 interpret_attention = functools.partial(kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2),
                                         interpret=True)
 interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
+interpret_norm = functools.partial(kernel_rms_norm, impl="triton", interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames="out_dtype")
@@ -167,10 +169,11 @@ def tiny():
     return init_random(get_preset("tiny-gqa"))
 
 
-def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu, qkv=None):
+def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu, qkv=None,
+                    norm=interpret_norm):
     engine = Engine(model, loop_mode="inplace")
     engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
-    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu} | ({"qkv": qkv} if qkv else {})
+    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm} | ({"qkv": qkv} if qkv else {})
     return engine
 
 
@@ -231,6 +234,7 @@ def test_engine_inplace_cache_never_copied(tiny, batch, write):
     calls = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
     assert calls.count("decode_attention_sync") == 1 and calls.count("flat_gemm_swiglu") == 1, calls
     assert calls.count("flat_gemm") == 5, calls  # q, k, v, o and down: every other dot reads in place
+    assert calls.count("rms_norm") == 2, calls  # both norms as one kernel each, the weight read in place
     # and with the attention hook declining, the read is one row slice per cache (no whole-row write)
     body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attention=lambda *args: None)))
     names = [e.primitive.name for e in body.eqns]
