@@ -31,11 +31,11 @@ class GPURow:
 B = "BENCHMARKS.md 2026-11-30 (results_loop_gpu_8b_inplace.json)"
 # The bench suite, one NVIDIA H200, `jaxdecode bench`, run 2026-11-30 08:50-08:58 UTC (after q, k, v became one
 # Stream-K kernel per layer); the summary line of each file gives its end time and read ceiling.
-S = "BENCHMARKS.md 2026-11-30 08:57 UTC (benchmarks/results_bench_gpu_8b.jsonl, read ceiling 4330 GB/s)"
-SQ = "BENCHMARKS.md 2026-11-30 08:58 UTC (benchmarks/results_bench_gpu_qwen.jsonl, read ceiling 4348 GB/s)"
+S = "BENCHMARKS.md 2026-11-30 08:57 UTC (benchmarks/results_bench_gpu_0857_8b.jsonl, read ceiling 4330 GB/s)"
+SQ = "BENCHMARKS.md 2026-11-30 08:58 UTC (benchmarks/results_bench_gpu_0857_qwen.jsonl, read ceiling 4348 GB/s)"
 # Earlier bench runs of the same day, since overwritten in those files (kept as CONFLICTS alternatives only).
-SQ_OLD = "BENCHMARKS.md 2026-11-30 06:05 run (results_bench_gpu_qwen.jsonl, since overwritten)"
-SQ2_OLD = "BENCHMARKS.md 2026-11-30 06:12 run (results_bench_gpu_qwen.jsonl, since overwritten)"
+SQ_OLD = "BENCHMARKS.md 2026-11-30 06:05 run (results_bench_gpu_qwen.jsonl of that time, since overwritten)"
+SQ2_OLD = "BENCHMARKS.md 2026-11-30 06:12 run (results_bench_gpu_qwen.jsonl of that time, since overwritten)"
 TPS = "BENCHMARKS.md 2026-11-30 (results_tp_gpu.json, benchmarks/tp_gpu.py)"
 A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
