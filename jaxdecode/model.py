@@ -86,7 +86,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:  # x: [..., D]
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], np.float32(self.eps))  # a strong f32: no convert in the call
 
 
 @jax.jit

@@ -63,9 +63,15 @@ def test_70b_report_renders_and_expands(browser, page_70b, tmp_path):
     assert "scan ×80" in loop.locator(":scope > summary").inner_text() and not loop.evaluate("d => d.open")
     loop.locator(":scope > summary").click()
     loop.locator("details.call > summary").first.click()  # the decoder_layer_call body
-    after = page.evaluate(VISIBLE_OPS)
-    assert after > before + 50  # one layer body: matmuls, attention, mlp
     visible = "els => els.filter(e => e.checkVisibility()).length"
+    reductions = loop.locator("g.op.k-reduction").evaluate_all(visible)
+    norms = loop.locator("details.call > summary").filter(has_text="rms_norm")
+    assert norms.count() == 2  # the layer's two norms, nested calls, collapsed
+    for i in range(2):
+        norms.nth(i).click()
+    assert loop.locator("g.op.k-reduction").evaluate_all(visible) == reductions + 2  # one mean of squares each
+    after = page.evaluate(VISIBLE_OPS)
+    assert after > before + 50  # one layer body: matmuls, attention, mlp, the norms' ops
     assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 2  # o, down; q, k, v in qkv, gate, up in swiglu
     loop.locator("details.call > summary").filter(has_text="qkv").first.click()  # a nested call, collapsed
     assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 5  # + q, k, v
