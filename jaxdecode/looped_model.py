@@ -11,8 +11,9 @@ W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel (
 the model's `swiglu` call runs as one two-weight kernel (`kernel_swiglu`), its `qkv` call as one
 three-weight stream kernel (`kernel_qkv`), its `rms_norm` calls as one kernel each (`kernel_rms_norm`),
 the KV cache is written in place in the scan carry, and attention (the model's `sdpa` call) reads
-layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_attention`)). `default_loop_mode()` (the engine's default) picks
-"inplace" on a GPU and "slice" elsewhere: on a GPU XLA copies each W[i] out of its stack before a dot.
+layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_attention`)).
+`default_loop_mode()` (the engine's default) picks "inplace" on a GPU and "slice" elsewhere: on a
+GPU XLA copies each W[i] out of its stack before a dot.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class RMSNorm(nnx.Module):
 
 
 @jax.jit
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+def rms_norm(x: Array, weight: Array, eps: Array | float) -> Array:
     """weight * x / rms(x) over the last axis, in float32, rounded to x's dtype before the weight.
     One module-level jitted function, so the in-place looped decode can run it as one kernel that
     reads the stacked weight in place (`kernel_rms_norm`); eps stays an argument the hook can read."""

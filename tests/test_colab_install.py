@@ -39,7 +39,8 @@ def install_cells() -> list[str]:
     cells = []
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
-        cells += ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and "pip" in "".join(c["source"])]
+        sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+        cells += [src for src in sources if "pip" in src]
     return cells
 
 
