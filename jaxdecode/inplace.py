@@ -15,7 +15,9 @@ in which a stacked input is a lazy `StackedRef(stack, i)`:
   stays in place and the row is never copied out and back;
 - a call (`jit`) named in `stacked_calls` goes to its hook, `hook(*args) -> outputs | None`, whose
   arguments keep their refs (e.g. the model's `sdpa` to `kernels.decode_attention` with the
-  stacked cache and the layer index); `None` means "evaluate the call as written";
+  stacked cache and the layer index); `None` means "evaluate the call as written". A hook that
+  writes a carried stack returns `StackedRef(new stack, i, origin)` for it (the model's `attend`:
+  the cache write and the attention in one kernel);
 - other calls that receive a ref are evaluated inline by the same interpreter, so a weight
   passed through a helper function still reaches its dot;
 - any other consumer materializes the row once with `lax.dynamic_index_in_dim` (norm weights,
@@ -110,6 +112,9 @@ class RefEvaluator:
             with self._context(eqn):
                 outs = hook(*invals) if hook is not None else None
                 if outs is not None:
+                    for out in outs:  # a hook that wrote a carried stack in place hands back its ref
+                        if isinstance(out, StackedRef) and out.origin is not None:
+                            self.latest[out.origin] = out.stack
                     return list(outs)
                 return self.eval(callee, invals)  # look through the call: refs reach its dots
         if plain_contraction(eqn) and isinstance(invals[1], StackedRef) and not isinstance(invals[0], StackedRef):

@@ -12,6 +12,8 @@ the model's `swiglu` call runs as one two-weight kernel (`kernel_swiglu`), its `
 three-weight stream kernel (`kernel_qkv`), its `rms_norm` calls as one kernel each (`kernel_rms_norm`),
 the KV cache is written in place in the scan carry, and attention (the model's `sdpa` call) reads
 layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_attention`)).
+`kernel_attend`, a hook for the model's `attend` call (cache write, then `sdpa`) that has the
+attention kernel write the new rows itself, is kept out of the defaults: it measured slower.
 `default_loop_mode()` (the engine's default) picks "inplace" on a GPU and "slice" elsewhere: on a
 GPU XLA copies each W[i] out of its stack before a dot.
 """
@@ -195,6 +197,43 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
     return [out.astype(q.dtype)]
 
 
+def kernel_attend(q, k, v, k_cache, v_cache, positions, *, impl: str | None = None,
+                  block_sizes: decode_attention.BlockSizes = decode_attention.BlockSizes(),
+                  interpret: bool = False):
+    """The `stacked_calls["attend"]` hook: `model.attend` (write the step's new k, v rows into the
+    cache, then attend) as one attention kernel that also writes the rows into the carried stacks.
+
+    q [B, 1, N, H]; k, v [B, 1, K, H] (the new rows, in the cache's dtype); k_cache, v_cache
+    `StackedRef`s of the carried [L, B, S, K, H] stacks at layer i; positions [B, 1]. On the GPU
+    this removes XLA's two cache-write kernels per layer, but XLA then prepares q, k and v in three
+    fusions instead of one and the attention kernel takes ~1 µs longer: measured 0.5% (batch 1) and
+    1.4% (batch 8) slower per token on the H200, so it is not in `KERNEL_CALLS`. Returns
+    [out, k_cache', v_cache'] with
+    the caches as refs of the updated stacks, or None (the call is then evaluated as written: the
+    writes in place, then the `sdpa` hook): for T > 1, and wherever `kernel_attention` declines or
+    dispatch picks the async kernel (its fallback launch does not write).
+    """
+    if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)) or k_cache.origin is None \
+            or v_cache.origin is None or any(isinstance(a, StackedRef) for a in (q, k, v, positions)):
+        return None
+    batch, tokens, heads, _ = q.shape
+    cache_len, kv_heads = k_cache.stack.shape[2], k_cache.stack.shape[3]
+    if tokens != 1 or heads // kv_heads > MAX_ATTENTION_ROWS or cache_len % block_sizes.block_k:
+        return None
+    if impl is None:
+        impl = dispatch.choose_attention().impl
+        if impl != "sync" or q.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+    elif impl != "sync":
+        raise ValueError(f"kernel_attend impl must be None or 'sync', got {impl!r}")
+    last = positions[:, -1].astype(jnp.int32)  # [B]: the new row's position; the kernel adds 1 (lengths)
+    out, k_stack, v_stack = decode_attention.decode_attention_sync(
+        q, k_cache.stack, v_cache.stack, last, layer=k_cache.index, new_kv=(k, v), block_sizes=block_sizes,
+        length_offset=1, interpret=interpret)
+    return [out.astype(q.dtype), StackedRef(k_stack, k_cache.index, k_cache.origin),
+            StackedRef(v_stack, v_cache.index, v_cache.origin)]
+
+
 def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool = False):
     """The `stacked_calls["rms_norm"]` hook: `model.rms_norm` as one `kernels.rms_norm` launch that
     reads the layer's norm weight in place (XLA runs a norm as two kernels, a reduction and a scale).
@@ -218,6 +257,7 @@ def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool 
 
 
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
+# `kernel_attend` is not among them: on the H200 it measured 0.5-1.5% slower per token (BENCHMARKS.md).
 KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm}
 
 
@@ -236,7 +276,7 @@ class LoopedForward:
         self.mode = mode
         self.index_mode = "slice" if mode == "slice" else "whole"
         self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
-        # in place: the model's `sdpa`, `swiglu` and `qkv` calls go to kernels (`jaxdecode.inplace`)
+        # in place: the model's named calls in KERNEL_CALLS go to kernels (`jaxdecode.inplace`)
         self._calls = dict(calls or KERNEL_CALLS) if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)

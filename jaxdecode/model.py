@@ -125,19 +125,9 @@ class Attention(nnx.Module):
         k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
         v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        with jax.named_scope("kv_cache_update"):
-            # Each sequence writes its T new rows at its own start position. One sequence is one
-            # dynamic_update_slice: vmap would make it a scatter, which XLA guards with an
-            # out-of-range check (two more kernels per cache write on a GPU; the values are equal).
-            if b == 1:
-                write = lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (0, p[0], 0, 0))  # noqa: E731
-            else:
-                write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (p, 0, 0)))
-            k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])  # [B, S, K, H]
-            v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])  # [B, S, K, H]
-
-        out = sdpa(q, k_cache, v_cache, positions).reshape(b, t, cfg.q_dim)  # [B, T, N*H]
+        out, k_cache, v_cache = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache,
+                                       positions)
+        out = out.reshape(b, t, cfg.q_dim)  # [B, T, N*H]
         out = self.o_proj(out)  # [B, T, D]
         if cfg.tp_axis is not None:  # tensor parallel: each device's heads give a partial sum
             out = jax.lax.psum(out, cfg.tp_axis)
@@ -154,6 +144,26 @@ def qkv(x: Array, w_q: Array, w_k: Array, w_v: Array, *biases: Array) -> tuple[A
         if biases:
             outs = [y + bias for y, bias in zip(outs, biases, strict=True)]
         return tuple(outs)
+
+
+@jax.jit
+def attend(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, positions: Array
+           ) -> tuple[Array, Array, Array]:
+    """Writes each sequence's T new rows k, v [B, T, K, H] into the cache [B, S, K, H] at its start
+    position positions[:, 0], then attends (`sdpa`); returns (out [B, T, N, H], k_cache, v_cache).
+    One module-level jitted call, so the in-place looped decode can run the write and the attention
+    as one kernel (`looped_model.kernel_attend`)."""
+    b = q.shape[0]
+    with jax.named_scope("kv_cache_update"):
+        # One sequence is one dynamic_update_slice: vmap would make it a scatter, which XLA guards
+        # with an out-of-range check (two more kernels per cache write on a GPU; the values are equal).
+        if b == 1:
+            write = lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (0, p[0], 0, 0))  # noqa: E731
+        else:
+            write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (p, 0, 0)))
+        k_cache = write(k_cache, k, positions[:, 0])  # [B, S, K, H]
+        v_cache = write(v_cache, v, positions[:, 0])  # [B, S, K, H]
+    return sdpa(q, k_cache, v_cache, positions), k_cache, v_cache
 
 
 @jax.jit

@@ -95,12 +95,19 @@ def _split_loader(row_ref, split_len: int):
   return lambda ref, start, size: ref[row, pl.ds(base + start, size), head, :]
 
 
-def _block(q, load, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float):
-  """Block i of a split: scores s [R, bk] (f32), the visibility mask [R, bk], and v [bk, H]."""
-  k = load(k_ref, i * block_k, block_k)  # [bk, H]
-  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
+def _block(q, load, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float, new=None):
+  """Block i of a split: scores s [R, bk] (f32), the visibility mask [R, bk], and v [bk, H].
+
+  new = (position, k row [H], v row [H]): the step's new cache row, used in place of what the cache
+  holds at that position (the kernel writes it there, so the read may see the old or the new row)."""
   pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-  return s, pos[None, :] < row_end[:, None], load(v_ref, i * block_k, block_k)
+  here = None if new is None else (pos == new[0])[:, None]  # [bk, 1]
+  k = load(k_ref, i * block_k, block_k)  # [bk, H]
+  k = k if new is None else jnp.where(here, new[1][None, :], k)
+  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
+  v = load(v_ref, i * block_k, block_k)  # [bk, H]
+  v = v if new is None else jnp.where(here, new[2][None, :], v)
+  return s, pos[None, :] < row_end[:, None], v
 
 
 def _async_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int,
@@ -135,26 +142,44 @@ def _async_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int,
 
 
 def _sync_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int,
-                 stacked: bool, length_offset: int, gated: bool):
+                 stacked: bool, length_offset: int, gated: bool, writes: bool = False):
   """refs: [row_ref] (stacked only), then
   inputs  len_ref [] int32 (as in `_async_kernel`), active_ref [] int32 (only when `gated`: 0 skips
-          the program, for rows needing no recompute), q_ref [R, H], k_ref, v_ref (as there);
-  outputs acc_ref [R, H] f32 (Σ e^{x-m}·v), l_ref [R] f32 (Σ e^{x-m}), m_ref [R] f32 (running max)."""
+          the program, for rows needing no recompute), q_ref [R, H], k_ref, v_ref (as there),
+          and when `writes` (stacked, T = 1) k_new_ref, v_new_ref [H]: the step's new cache row;
+  outputs acc_ref [R, H] f32 (Σ e^{x-m}·v), l_ref [R] f32 (Σ e^{x-m}), m_ref [R] f32 (running max),
+          and when `writes` k_out_ref, v_out_ref: the stacks themselves (aliased to k_ref, v_ref).
+          The program whose split holds the new row's position length-1 (clamped to the cache, as
+          `dynamic_update_slice` clamps) writes it there; every program attends with the new row
+          in place of the cache's, so no program depends on another's write."""
   row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   len_ref, refs = refs[0], refs[1:]
   active_ref, refs = (refs[0], refs[1:]) if gated else (None, refs)
-  q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref = refs
+  q_ref, k_ref, v_ref, refs = *refs[:3], refs[3:]
+  k_new_ref, v_new_ref, refs = (*refs[:2], refs[2:]) if writes else (None, None, refs)
+  acc_ref, l_ref, m_ref, *out_stacks = refs
   load = _split_loader(row_ref, split_len)
   rows, head_dim = q_ref.shape
   split_start = pl.program_id(2) * split_len
   length = len_ref[()] + length_offset
   row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
   q = q_ref[...]  # [R, H]
+  new = None
+  if writes:
+    at = jnp.minimum(length - 1, k_ref.shape[1] - 1)  # the new row's position
+    k_new, v_new = k_new_ref[...], v_new_ref[...]  # [H]
+    new = (at, k_new, v_new)
+    row, head = row_ref[()], pl.program_id(1)
+
+    @pl.when((at >= split_start) & (at < split_start + split_len))
+    def _():
+      for out_ref, value in zip(out_stacks, (k_new, v_new)):
+        out_ref[row, pl.ds(at, 1), head, :] = value[None, :]
 
   def body(i, carry):
     acc, l, m = carry  # [R, H], [R], [R]
     s, mask, v = _block(q, load, k_ref, v_ref, i, split_start, row_end, block_k=block_k,
-                        sm_scale=sm_scale)
+                        sm_scale=sm_scale, new=new)
     s = jnp.where(mask, s, _NEG)
     m_next = jnp.maximum(m, s.max(axis=1))  # the synchronization FlashDecoding++ removes
     correction = jnp.exp(m - m_next)  # [R]
@@ -210,11 +235,13 @@ def _pad_cache(k, v, cfg: BlockSizes, stacked: bool):
 
 
 def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, group, tokens,
-                    length_offset, cfg, interpret, poison, **kernel_kw):
+                    length_offset, cfg, interpret, poison, new_kv=None, **kernel_kw):
   """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs.
 
   k, v come padded by `_pad_cache`: [B, S_pad, K, H], or stacks [L, B, S, K, H] read at row
   `layer` in place (the kernel gets the whole stack and indexes it; no BlockSpec cuts it).
+  new_kv = (k_new, v_new) [B, 1, K, H] (stacks only): the kernel also writes them into the stacks,
+  which come back after the partials (outputs aliased to the stack inputs: updated in place).
   poison=True hands the kernel NaN-filled output buffers (aliased inputs), so a partial the kernel
   fails to write shows up as NaN.
   """
@@ -242,28 +269,43 @@ def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, 
   for _ in range(num_out - 1):
     out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
+  inputs = [*scalars, q, k, v]
+  aliases = {}
+  if new_kv is not None:
+    if not stacked:
+      raise ValueError("new_kv (writing the new rows in the kernel) needs a stacked cache and a layer")
+    new_rows = [x.reshape(batch, kv_heads, head_dim) for x in new_kv]  # [B, K, H] each
+    in_specs += [pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, h, 0))] * 2
+    aliases = {len(inputs) - 2: num_out, len(inputs) - 1: num_out + 1}  # k, v stacks -> outputs
+    inputs += new_rows
+    out_shape += [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_specs += [kv_spec, kv_spec]
+    kernel_kw["writes"] = True
   body = functools.partial(kernel, sm_scale=sm_scale, block_k=cfg.block_k, group=group,
                            tokens=tokens, split_len=split_len, stacked=stacked,
                            length_offset=length_offset, **kernel_kw)
-  inputs = [*scalars, q, k, v]
   n_in = len(inputs)
   if poison:
-    inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
-    in_specs += out_specs
+    inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape[:num_out]]
+    in_specs += out_specs[:num_out]
+    aliases.update({n_in + i: i for i in range(num_out)})
     unpoisoned = body
     body = lambda *refs: unpoisoned(*refs[:n_in], *refs[n_in + num_out:])  # drop aliased inputs
-  return pl.pallas_call(
+  outs = pl.pallas_call(
       body,
       out_shape=out_shape,
       grid=(batch, kv_heads, splits),
       in_specs=in_specs,
       out_specs=out_specs,
-      input_output_aliases={n_in + i: i for i in range(num_out)} if poison else {},
+      input_output_aliases=aliases,
       compiler_params=None if interpret else pltriton.CompilerParams(
           num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name=kernel.__name__.strip("_"),
   )(*inputs)
+  if new_kv is None:
+    return outs
+  return (*outs[:num_out], *(x.reshape(-1, batch, *x.shape[1:]) for x in outs[num_out:]))  # [L, B, S, K, H]
 
 
 def _to_rows(q, kv_heads: int):
@@ -284,17 +326,23 @@ def _from_rows(x, tokens: int, group: int):
   return x.reshape(batch, tokens, kv_heads * group, *x.shape[4:])  # [B, T, N, ...]
 
 
-def _sync_partials(q_rows, k, v, layer, lengths, active, **kw):
-  """The synchronized kernel's partials combined: o [B, K, R, H] and log Σ e^x [B, K, R]. `active`
-  [B, K] gates the programs (the recompute fallback), or None: all run, with no gate input."""
-  scalars = (lengths,) if active is None else (lengths, active)
-  acc, l, m = _attention_call(_sync_kernel, scalars, q_rows, k, v, layer, num_out=3,
-                              gated=active is not None, **kw)
+def _combine_partials(acc, l, m):
+  """Per-split partials acc [B, K, splits, R, H], l, m [B, K, splits, R] (f32) -> o [B, K, R, H]
+  and log Σ e^x [B, K, R]: each split rescaled to the max over all splits, then summed."""
   m_all = m.max(axis=2, keepdims=True)  # [B, K, 1, R]
   correction = jnp.exp(m - m_all)  # [B, K, splits, R]
   l = (correction * l).sum(axis=2)  # [B, K, R]
   o = (correction[..., None] * acc).sum(axis=2) / l[..., None]  # [B, K, R, H]
   return o, jnp.log(l) + m_all[:, :, 0]
+
+
+def _sync_partials(q_rows, k, v, layer, lengths, active, **kw):
+  """The synchronized kernel's partials combined in jnp: o [B, K, R, H] and log Σ e^x [B, K, R].
+  `active` [B, K] gates the programs (the recompute fallback), or None: all run, with no gate."""
+  scalars = (lengths,) if active is None else (lengths, active)
+  acc, l, m = _attention_call(_sync_kernel, scalars, q_rows, k, v, layer, num_out=3,
+                              gated=active is not None, **kw)
+  return _combine_partials(acc, l, m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,16 +437,21 @@ def decode_attention_sync(
     lengths: jax.Array,  # [B] int32
     *,
     layer: jax.Array | int | None = None,
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
     sm_scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     length_offset: int = 0,
     interpret: bool = False,
     poison: bool = False,
-) -> jax.Array:
+):
   """Split-K decode attention with the synchronized (online, running-max) softmax.
 
   Any S works (padded and masked as in `decode_attention_async`); `layer`, `length_offset` and
-  poison as there.
+  poison as there. new_kv = (k_new, v_new) [B, 1, K, H], with a stacked cache, T = 1 and the
+  cache's dtype: the kernel first writes them into the stacks at row `layer`, position
+  lengths + length_offset - 1 (clamped to S - 1), as `dynamic_update_slice` would, and attends
+  over the updated cache; it then returns (o, k, v) with the updated stacks (in place: the outputs
+  alias the inputs, so a caller that donates or carries the stacks never copies them).
 
   Equivalent to the following JAX code:
 
@@ -410,6 +463,15 @@ def decode_attention_sync(
                                        poison, length_offset)
   # Every (sequence, kv head) program runs, so the kernel takes no gate input: even a constant
   # array of ones costs a broadcast kernel per call (per layer in a looped decode) on the GPU.
+  if new_kv is not None:
+    shape = (q.shape[0], 1, *k.shape[-2:])
+    if kw["tokens"] != 1 or any(x.shape != shape or x.dtype != k.dtype for x in new_kv):
+      raise ValueError(f"new_kv must be two [B, 1, K, H] = {shape} arrays of the cache's dtype {k.dtype} "
+                       f"for one new token, got {[(x.shape, str(x.dtype)) for x in new_kv]} with T = {kw['tokens']}")
+    acc, l, m, k, v = _attention_call(_sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3,
+                                      gated=False, new_kv=new_kv, **kw)
+    o, _ = _combine_partials(acc, l, m)
+    return _from_rows(o, 1, kw["group"]).astype(q.dtype), k, v
   o, _ = _sync_partials(q_rows, k, v, layer, lengths, None, **kw)
   return _from_rows(o, kw["tokens"], kw["group"]).astype(q.dtype)
 
