@@ -32,6 +32,8 @@ import json
 import os
 import sys
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -139,6 +141,10 @@ def chunking(steps: int, chunk: int = 32) -> tuple[int, int]:
     return chunk, -(-steps // chunk)
 
 
+# engine -> {(batch, prompt, cache length, chunk): [compiled prefill, compiled chunk]}: kept across calls
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int, chunk: int = 32) -> Timing:
     """Prefill prompts [B, P] at positions context.. over a zero prefix, then greedy-decode in chunks.
 
@@ -159,15 +165,35 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
     prefill = jax.jit(prefill_fn, donate_argnums=1)
     new_cache = jax.jit(engine.new_cache, static_argnums=(0, 1))  # in one jit: no per-layer copies to stack
     tokens, done_ids, pad = jnp.asarray(prompts, jnp.int32), jnp.asarray([-2], jnp.int32), jnp.int32(-1)
+    run_chunk = lambda params, state, done_ids, pad: engine._chunk(  # noqa: E731
+        params, state, done_ids, pad, steps=chunk, sampling=GREEDY)
+    compiled = _COMPILED.setdefault(engine, {}).setdefault((b, p, cache_len, chunk), [])  # [prefill, chunk]
+
+    def compile_both(cache):
+        """Prefill and the decode chunk compiled at once, in two threads (as `Engine._compile_steps`);
+        with tensor parallelism the state's shardings come from running prefill, so jit compiles them."""
+        if engine.tp > 1:
+            compiled.extend([prefill, run_chunk])
+            return
+        start = jnp.int32(context)
+        state = jax.eval_shape(prefill_fn, engine.params, cache, tokens, start)
+        spec = jax.ShapeDtypeStruct((), jnp.int32)
+        with ThreadPoolExecutor(2) as pool:
+            jobs = (pool.submit(lambda: prefill.lower(engine.params, cache, tokens, start).compile()),
+                    pool.submit(lambda: engine._chunk.lower(engine.params, state, done_ids, spec, steps=chunk,
+                                                            sampling=GREEDY).compile()))
+            compiled.extend(job.result() for job in jobs)
 
     def once(chunks: int):
         cache = jax.block_until_ready(new_cache(b, cache_len))
         start = time.perf_counter()
-        state = prefill(engine.params, cache, tokens, jnp.int32(context))
+        if not compiled:
+            compile_both(cache)
+        state = compiled[0](engine.params, cache, tokens, jnp.int32(context))
         out = [np.asarray(state.tokens)[:, None]]
         mid = time.perf_counter()
         for _ in range(chunks):
-            state, new = engine._chunk(engine.params, state, done_ids, pad, steps=chunk, sampling=GREEDY)
+            state, new = compiled[1](engine.params, state, done_ids, pad)
             out.append(np.asarray(new))
         return mid - start, time.perf_counter() - mid, np.concatenate(out, axis=1)
 

@@ -10,8 +10,10 @@ All steps are pure functions of (params, state): the cache is donated and return
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import jax
@@ -115,6 +117,31 @@ class Engine:
             timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - start
         return self._executables[key]
 
+    def _compile_steps(self, prefill_args, *, sampling: SamplingParams, chunk: int | None, timings: dict):
+        """(compiled prefill, compiled decode chunk of `chunk` steps or None), compiled at once.
+
+        The two compile in two threads: XLA's compiler and the kernels' compilers release the GIL, so
+        the first call waits for the longer of the two rather than their sum. The chunk compiles from
+        the prefill's output shapes (`jax.eval_shape`). With tensor parallelism the chunk's state carries
+        shardings that shapes alone do not, so there it is left to the caller (None).
+        """
+        start = time.perf_counter()
+        scratch: dict = {}
+        prefill = lambda: self._compiled(self._prefill, *prefill_args, timings=scratch, sampling=sampling)  # noqa: E731
+        if chunk is None or self._tp is not None:
+            compiled = prefill(), None
+        else:
+            state, _ = jax.eval_shape(functools.partial(self._prefill, sampling=sampling), *prefill_args)
+            pad = jax.ShapeDtypeStruct((), jnp.int32)
+            step = lambda: self._compiled(self._chunk, prefill_args[0], state, prefill_args[-1], pad,  # noqa: E731
+                                          timings=scratch, steps=chunk, sampling=sampling)
+            with ThreadPoolExecutor(2) as pool:
+                jobs = pool.submit(prefill), pool.submit(step)
+                compiled = jobs[0].result(), jobs[1].result()
+        if scratch:  # something was compiled (not all cached)
+            timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - start
+        return compiled
+
     # -- pure functions -------------------------------------------------------------------------
 
     def forward(self, params, tokens: Array, positions: Array, cache):
@@ -199,7 +226,8 @@ class Engine:
         timings["compile_s"] = 0.0
         cache = self.new_cache(len(prompts), cache_len)
         args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), done_ids)
-        prefill = self._compiled(self._prefill, *args, timings=timings, sampling=sampling)
+        prefill, step_chunk = self._compile_steps(args, sampling=sampling, chunk=chunk if n_chunks else None,
+                                                  timings=timings)
         start = time.perf_counter()
         state, _ = prefill(*args)
         first = np.asarray(state.tokens)[:, None]
@@ -207,8 +235,9 @@ class Engine:
         yield first
         done = np.asarray(state.done)
         pad = jnp.int32(-1)
-        step_chunk = self._compiled(self._chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk,
-                                    sampling=sampling) if n_chunks else None
+        if n_chunks and step_chunk is None:  # tensor parallel: compiled from the sharded state
+            step_chunk = self._compiled(self._chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk,
+                                        sampling=sampling)
         start = time.perf_counter()
         decoded = 0
         for _ in range(n_chunks):

@@ -1,22 +1,25 @@
 """GPU mode "looped_inplace": our engine's decode step, kernel by kernel.
 
-The default engine loops the layers in one `lax.scan` (an XLA while loop, not a CUDA graph) and reads
-everything in place with Pallas kernels. Per layer it launches:
+The default engine loops the layers in one `lax.scan` and reads everything in place with Pallas kernels.
+XLA's default command buffers capture the loop body (~17 kernels: fusions and Pallas/Mosaic calls) as one
+CUDA graph, launched once per layer; inside it kernels run back to back with no gap (the ~4 us between
+the per-layer graphs in profiler traces is not there untraced; BENCHMARKS.md). Per layer it runs:
 
 - one flat GEMM per group of projections that read the same input (one kernel for q, k, v, one
   SwiGLU kernel for gate + up) and one each for o and down, reading the stacked weights [L, K, N]: bytes / (flat GEMM efficiency(M) * peak), with
   efficiency(M) = flat_gemm_efficiency * M ** -flat_gemm_m_exponent (M = batch rows; our Mosaic
   kernel: 71% -> 66% of the jnp.sum ceiling from M = 1 to 8, KERNELS_RESULTS.md);
 - one split-K decode attention kernel over the stacked cache: KV bytes / (split_k_efficiency * peak);
-- the KV-cache write (in-place scatters) and XLA's elementwise/reduction fusions between the kernels
+- the in-place KV-cache write and XLA's elementwise/reduction fusions between the kernels
   (norms, RoPE, residual adds), their bytes at the read ceiling;
 
-and every kernel costs `inplace_kernel_gap_s` of launch + gap. The layer time is
-kernels * gap + max(memory, FLOPs / achieved rate) + all-reduces (tensor parallel, as the "xla" mode).
-The embedding and the LM head run outside the loop as XLA ops and cost what the "xla" mode says.
-Efficiencies are fractions of the spec peak (4.8 TB/s), not of the jnp.sum ceiling: the measured
-cost of each extra KV byte from 1k to 8k context (bench suite, batch 8 and 32) is 4.5-4.6 TB/s,
-above that ceiling (4.36 TB/s).
+and every kernel costs a fixed `inplace_kernel_gap_s` inside the per-layer graph: its own launch, ramp
+and drain (a small kernel takes ~1.1-2 us however few bytes it moves), not a gap between kernels. The
+layer time is kernels * that cost + max(memory, FLOPs / achieved rate) + all-reduces (tensor parallel,
+as the "xla" mode). The embedding and the LM head run outside the loop as XLA ops and cost what the
+"xla" mode says. Efficiencies are fractions of the spec peak (4.8 TB/s), not of the jnp.sum ceiling:
+the measured cost of each extra KV byte from 1k to 8k context (bench suite of 10:31-10:36 UTC, batch 8
+and 32) is 4.47-4.56 TB/s, above that run's ceiling (4.44 TB/s).
 """
 
 from __future__ import annotations

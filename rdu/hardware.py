@@ -108,7 +108,7 @@ class GPUSpec(_Sourced):
     flat_gemm_efficiency: float = 0.64  # Mosaic flat GEMM over the stacked weights at M = 1
     flat_gemm_m_exponent: float = 0.034  # flat GEMM efficiency(M) = flat_gemm_efficiency * M ** -exponent
     split_k_efficiency: float = 0.79  # split-K decode attention over the stacked cache
-    inplace_kernel_gap_s: float = 3e-6  # launch + gap per kernel inside the scan's while loop
+    inplace_kernel_gap_s: float = 3e-6  # fixed cost per kernel inside the per-layer CUDA graph
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def matmul_efficiency(self, m: int) -> float:
@@ -209,7 +209,8 @@ H200 = GPUSpec(
                                  "bench suite's KV-cache reads run past the jnp.sum ceiling)"),
         ("flat_gemm_m_exponent", "KERNELS_RESULTS.md: the same loop at M=8, 2857 GB/s: ln(3064/2857) / ln 8 = 0.034"),
         ("split_k_efficiency", "KERNELS_RESULTS.md: ours_async decode attention B32 S8192, 3814 GB/s = 0.79 of peak"),
-        ("inplace_kernel_gap_s", "assumed 3 us, as kernel_overhead_s: the scan's while loop is not a CUDA graph"),
+        ("inplace_kernel_gap_s", "assumed 3 us, as kernel_overhead_s: the fixed cost of each kernel inside the "
+                                 "per-layer CUDA graph (its launch, ramp and drain; no gap between kernels)"),
     ))
 
 H100 = replace(
