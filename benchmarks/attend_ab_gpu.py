@@ -12,8 +12,6 @@ and 8 alternating the engines (best of 3 runs of 64 steps, twice), with their gr
 The stored results_attend_ab_gpu.json comes from an earlier form of this script that also tried a
 one-launch split-combine kernel (since removed: 8.0 µs against XLA's three kernels' 4.0 µs).
 """
-import glob
-import gzip
 import json
 import os
 import re
@@ -23,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpu_trace import traced_events
 from jaxdecode.bench import time_engine
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
@@ -53,13 +52,7 @@ def loop_body(engine, batch: int) -> dict:
 
 
 def profile_layer(engine, prompts) -> list:
-    trace_dir = os.path.join(OUT, "trace")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        time_engine(engine, prompts, context=1024, steps=32)
-    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    with gzip.open(files[0]) as fh:
-        events = json.load(fh)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=32), os.path.join(OUT, "trace"))
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_module") == "jit__chunk_fn"
                       and "memcpy" not in e["name"].lower()), key=lambda e: e["ts"])
     norms = [i for i, e in enumerate(kernels) if e["name"].startswith("rms_norm")]

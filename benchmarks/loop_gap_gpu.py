@@ -11,8 +11,6 @@ kernel of one layer and the first of the next. This script (Llama-3.1-8B, random
 3. times the decode with the layer scan unrolled by 1, 2 and 4 (`lax.scan(unroll=)`), best of 3.
 """
 import functools
-import glob
-import gzip
 import json
 import os
 import re
@@ -25,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gpu_trace import gpu_pids, track_names, traced_events
 from jaxdecode import looping_eval
 from jaxdecode.bench import time_engine
 from jaxdecode.config import get_preset
@@ -76,20 +75,11 @@ def while_bodies(hlo: str) -> list[dict]:
 
 
 def trace_boundaries(engine, prompts):
-    trace_dir = os.path.join(OUT, "trace")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        time_engine(engine, prompts, context=1024, steps=32)
-    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    with gzip.open(files[0]) as fh:
-        events = json.load(fh)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
-            names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
-    gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and "/device:GPU" in n}
-    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids), key=lambda e: e["ts"])
-    host = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu_pids), key=lambda e: e["ts"])
+    events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=32), os.path.join(OUT, "trace"))
+    names = track_names(events)
+    on_gpu = gpu_pids(names)
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in on_gpu), key=lambda e: e["ts"])
+    host = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") not in on_gpu), key=lambda e: e["ts"])
     norms = [i for i, e in enumerate(gpu) if e["name"].startswith("rms_norm")]
     # the layer boundary is the norm preceded by the largest gap on its stream; take two of them late in the trace
     by_corr = {}
@@ -139,16 +129,10 @@ def trace_boundaries(engine, prompts):
 
 def gap_census(engine, prompts, label: str) -> dict:
     """Trace a 32-step chunk; count graph launches and kernel-free gaps on the compute stream."""
-    trace_dir = os.path.join(OUT, f"trace_{label}")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        time_engine(engine, prompts, context=1024, steps=32)
-    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    with gzip.open(files[0]) as fh:
-        events = json.load(fh)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "/device:GPU" in e["args"]["name"]}
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
+    events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=32),
+                           os.path.join(OUT, f"trace_{label}"))
+    on_gpu = gpu_pids(track_names(events))
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in on_gpu
                       and e.get("args", {}).get("hlo_module") == "jit__chunk_fn"), key=lambda e: e["ts"])
     graphs = {(e["args"].get("cuda_graph_id"), e["args"].get("correlation_id")) for e in kernels}
     gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(kernels, kernels[1:])]

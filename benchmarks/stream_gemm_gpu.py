@@ -22,8 +22,6 @@ The ceiling (sum over 4 GiB, jax and torch) is measured first; % is of the highe
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import sys
@@ -34,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels_bench as kb  # noqa: E402  (sets XLA_FLAGS before jax is imported)
+from gpu_trace import gpu_pids, track_names, traced_events  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -223,22 +222,10 @@ def profile_decode(out_dir):
   with open(os.path.join(out_dir, "decode_step_hlo.txt"), "w") as fh:
     fh.write(step.as_text())
   del cache
-  trace_dir = os.path.join(out_dir, "trace")
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-    time_engine(engine, prompts, context=1024, steps=32)
-  files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-  if not files:
-    kb.log("  no perfetto trace written")
-    return
-  with gzip.open(files[0]) as fh:
-    events = json.load(fh)
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  names = {}
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
-      names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
-  gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and "/device:GPU" in n}
-  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
+  events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=32),
+                         os.path.join(out_dir, "trace"))
+  on_gpu = gpu_pids(track_names(events))
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in on_gpu
              and "memcpy" not in e.get("name", "").lower()]
   by_tid = defaultdict(list)
   for e in kernels:

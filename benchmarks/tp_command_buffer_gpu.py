@@ -6,7 +6,7 @@ XLA's default command buffers capture fusions and kernel calls but not collectiv
 a tensor-parallel layer splits the layer's CUDA graph and runs NCCL between graphs. This compiles
 the same programs with `xla_gpu_enable_command_buffer` also naming COLLECTIVES
 (`jax.jit(compiler_options=...)`) and times, against XLA's default:
-1. one psum of [1, 4096] bf16 over 2 GPUs (a jitted chain of 100, as `tp_gpu.allreduce_us`);
+1. one psum of [1, 4096] bf16 over 2 GPUs (`tp_gpu.allreduce_us`: a jitted chain of 100);
 2. Llama-3.1-8B TP2 decode at batch 1, 1k context (random bf16 weights; the decode chunk compiled
    per setting; alternating, best of 3 runs of 64 steps, twice), with the greedy tokens compared.
 """
@@ -20,37 +20,17 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxdecode.bench import time_engine  # noqa: E402
 from jaxdecode.config import get_preset  # noqa: E402
 from jaxdecode.decode import Engine  # noqa: E402
 from jaxdecode.model import init_random  # noqa: E402
-from jaxdecode.tp import AXIS, make_mesh  # noqa: E402
+from tp_gpu import allreduce_us  # noqa: E402
 
 SETTINGS = {
     "xla_default": None,
     "with_collectives": {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT,COLLECTIVES"},
 }
-
-
-def psum_us(options, n: int = 100) -> float:
-    def chain(x):
-        bump = (jax.lax.axis_index(AXIS) + 1).astype(x.dtype) * 1e-3
-        for _ in range(n):
-            x = jax.lax.psum(x, AXIS) * 0.5 + bump
-        return x
-
-    fn = jax.jit(jax.shard_map(chain, mesh=make_mesh(2), in_specs=P(), out_specs=P(AXIS), check_vma=False),
-                 compiler_options=options)
-    x = jnp.ones((1, 4096), jnp.bfloat16)
-    fn(x).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        fn(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best / n * 1e6
 
 
 def main():
@@ -60,7 +40,7 @@ def main():
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": jax.devices()[0].device_kind,
            "psum_us": {}, "decode": []}
     for name, options in SETTINGS.items():
-        out["psum_us"][name] = psum_us(options)
+        out["psum_us"][name] = allreduce_us(4096, 1, compiler_options=options)
         print(f"psum [1, 4096] bf16 over 2, {name}: {out['psum_us'][name]:.1f} us", flush=True)
     engine = Engine(init_random(get_preset("llama-3.1-8b"), dtype=jnp.bfloat16), tp=2)
     prompts = np.ones((1, 16), np.int32)

@@ -51,8 +51,9 @@ from jaxdecode.tp import AXIS, TPForward, make_mesh  # noqa: E402
 PROMPT, STEPS, AGREE = 16, 32, 16
 
 
-def allreduce_us(dim: int, batch: int, n: int = 100, devices: int = 2) -> float:
-    """Microseconds per psum of one [B, D] bf16 array over `devices` devices (a jitted chain of n)."""
+def allreduce_us(dim: int, batch: int, n: int = 100, devices: int = 2, compiler_options=None) -> float:
+    """Microseconds per psum of one [B, D] bf16 array over `devices` devices (a jitted chain of n,
+    compiled with XLA's `compiler_options`, if any)."""
     mesh = make_mesh(devices)
 
     def chain(x):  # x: [B, D] on each device
@@ -61,7 +62,8 @@ def allreduce_us(dim: int, batch: int, n: int = 100, devices: int = 2) -> float:
             x = jax.lax.psum(x, AXIS) * 0.5 + bump  # [B, D]
         return x
 
-    fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False))
+    fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False),
+                 compiler_options=compiler_options)
     x = jnp.ones((batch, dim), jnp.bfloat16)
     fn(x).block_until_ready()
     best = float("inf")
