@@ -84,3 +84,16 @@ def test_chunks_stream_in_order(engine):
 def test_bad_requests_are_refused(engine, prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, **kwargs)
+
+
+def test_compiles_once_per_shape(engine):
+    """Prefill and the decode chunk compile together on the first call of a shape (the chunk from the
+    prefill's output shapes); a second call of the same shapes compiles nothing and gives the same
+    tokens, and both compiled programs are the ones that ran (two cache entries, not four)."""
+    prompts = _prompts(n_tokens=(5, 9), seed=4)
+    before = len(engine._executables)
+    first = engine.generate(prompts, max_new_tokens=9, chunk=4)
+    assert first.compile_s > 0 and len(engine._executables) == before + 2
+    again = engine.generate(prompts, max_new_tokens=9, chunk=4)
+    assert again.compile_s == 0.0 and len(engine._executables) == before + 2
+    assert again.token_ids == first.token_ids
