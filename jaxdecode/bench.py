@@ -165,15 +165,14 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
     prefill = jax.jit(prefill_fn, donate_argnums=1)
     new_cache = jax.jit(engine.new_cache, static_argnums=(0, 1))  # in one jit: no per-layer copies to stack
     tokens, done_ids, pad = jnp.asarray(prompts, jnp.int32), jnp.asarray([-2], jnp.int32), jnp.int32(-1)
-    run_chunk = lambda params, state, done_ids, pad: engine._chunk(  # noqa: E731
-        params, state, done_ids, pad, steps=chunk, sampling=GREEDY)
     compiled = _COMPILED.setdefault(engine, {}).setdefault((b, p, cache_len, chunk), [])  # [prefill, chunk]
 
     def compile_both(cache):
         """Prefill and the decode chunk compiled at once, in two threads (as `Engine._compile_steps`);
         with tensor parallelism the state's shardings come from running prefill, so jit compiles them."""
         if engine.tp > 1:
-            compiled.extend([prefill, run_chunk])
+            compiled.extend([prefill, lambda params, state, done_ids, pad: engine._chunk(
+                params, state, done_ids, pad, steps=chunk, sampling=GREEDY)])
             return
         start = jnp.int32(context)
         state = jax.eval_shape(prefill_fn, engine.params, cache, tokens, start)

@@ -207,11 +207,11 @@ def kernel_attend(q, k, v, k_cache, v_cache, positions, *, impl: str | None = No
     `StackedRef`s of the carried [L, B, S, K, H] stacks at layer i; positions [B, 1]. On the GPU
     this removes XLA's two cache-write kernels per layer, but XLA then prepares q, k and v in three
     fusions instead of one and the attention kernel takes ~1 µs longer: measured 0.5% (batch 1) and
-    1.4% (batch 8) slower per token on the H200, so it is not in `KERNEL_CALLS`. Returns
-    [out, k_cache', v_cache'] with
-    the caches as refs of the updated stacks, or None (the call is then evaluated as written: the
-    writes in place, then the `sdpa` hook): for T > 1, and wherever `kernel_attention` declines or
-    dispatch picks the async kernel (its fallback launch does not write).
+    1.5% (batch 8) slower per token on the H200, so it is not in `KERNEL_CALLS`.
+    Returns [out, k_cache', v_cache'] with the caches as refs of the updated stacks, or None (the
+    call is then evaluated as written: the writes in place, then the `sdpa` hook): for T > 1, and
+    wherever `kernel_attention` declines or dispatch picks the async kernel (its fallback launch
+    does not write).
     """
     if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)) or k_cache.origin is None \
             or v_cache.origin is None or any(isinstance(a, StackedRef) for a in (q, k, v, positions)):
@@ -257,7 +257,7 @@ def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool 
 
 
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
-# `kernel_attend` is not among them: on the H200 it measured 0.5-1.5% slower per token (BENCHMARKS.md).
+# `kernel_attend` is not among them: on the H200 it measured 0.5% (batch 1) to 1.5% (batch 8) slower per token.
 KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm}
 
 
