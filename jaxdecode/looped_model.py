@@ -164,6 +164,24 @@ def kernel_qkv(x, w_q, w_k, w_v, *biases, impl: str | None = None, gemm=None,
 MAX_ATTENTION_ROWS = 64  # T·G query rows per kv head the attention kernel takes (decode, short chunks)
 
 
+def _attention_impl(q, k_cache, v_cache, impl: str | None, block_sizes: decode_attention.BlockSizes) -> str | None:
+    """The attention kernel the hooks run on the stacked caches ("sync" or "async": `impl`, or the
+    dispatch table's choice when it is None), or None where they decline: caches that are not refs
+    of stacks, prefill-sized T·G, a cache length the kernel would pad (a copy of the stack), and,
+    with impl=None, where `kernels.dispatch` says "xla" (off Hopper) or q is not 16-bit."""
+    if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)):
+        return None
+    _, tokens, heads, _ = q.shape
+    cache_len, kv_heads = k_cache.stack.shape[2], k_cache.stack.shape[3]
+    if tokens * (heads // kv_heads) > MAX_ATTENTION_ROWS or cache_len % block_sizes.block_k:
+        return None
+    if impl is None:
+        impl = dispatch.choose_attention().impl
+        if impl == "xla" or q.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+    return impl
+
+
 def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
                      block_sizes: decode_attention.BlockSizes = decode_attention.BlockSizes(),
                      interpret: bool = False):
@@ -178,16 +196,9 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
     The synchronized kernel is the default choice on the H200 (kernels/tables/h200.json); "async"
     runs with φ = 0 and its exact fallback.
     """
-    if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)):
-        return None
-    batch, tokens, heads, _ = q.shape
-    cache_len, kv_heads = k_cache.stack.shape[2], k_cache.stack.shape[3]
-    if tokens * (heads // kv_heads) > MAX_ATTENTION_ROWS or cache_len % block_sizes.block_k:
-        return None
+    impl = _attention_impl(q, k_cache, v_cache, impl, block_sizes)
     if impl is None:
-        impl = dispatch.choose_attention().impl
-        if impl == "xla" or q.dtype not in (jnp.bfloat16, jnp.float16):
-            return None
+        return None
     last = positions[:, -1].astype(jnp.int32)  # [B]: the kernel adds 1 (lengths), not a kernel of XLA's
     kw = dict(layer=k_cache.index, block_sizes=block_sizes, length_offset=1, interpret=interpret)
     if impl == "async":
@@ -213,19 +224,14 @@ def kernel_attend(q, k, v, k_cache, v_cache, positions, *, impl: str | None = No
     wherever `kernel_attention` declines or dispatch picks the async kernel (its fallback launch
     does not write).
     """
-    if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)) or k_cache.origin is None \
-            or v_cache.origin is None or any(isinstance(a, StackedRef) for a in (q, k, v, positions)):
+    if any(isinstance(a, StackedRef) for a in (q, k, v, positions)) or q.shape[1] != 1 \
+            or getattr(k_cache, "origin", None) is None or getattr(v_cache, "origin", None) is None:
         return None
-    batch, tokens, heads, _ = q.shape
-    cache_len, kv_heads = k_cache.stack.shape[2], k_cache.stack.shape[3]
-    if tokens != 1 or heads // kv_heads > MAX_ATTENTION_ROWS or cache_len % block_sizes.block_k:
+    chosen = _attention_impl(q, k_cache, v_cache, impl, block_sizes)
+    if chosen != "sync":
+        if impl is not None and chosen is not None:
+            raise ValueError(f"kernel_attend impl must be None or 'sync', got {impl!r}")
         return None
-    if impl is None:
-        impl = dispatch.choose_attention().impl
-        if impl != "sync" or q.dtype not in (jnp.bfloat16, jnp.float16):
-            return None
-    elif impl != "sync":
-        raise ValueError(f"kernel_attend impl must be None or 'sync', got {impl!r}")
     last = positions[:, -1].astype(jnp.int32)  # [B]: the new row's position; the kernel adds 1 (lengths)
     out, k_stack, v_stack = decode_attention.decode_attention_sync(
         q, k_cache.stack, v_cache.stack, last, layer=k_cache.index, new_kv=(k, v), block_sizes=block_sizes,
