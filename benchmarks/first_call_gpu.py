@@ -5,7 +5,7 @@
 Each measurement is a new Python process (nothing compiled yet): Llama-3.1-8B with random bf16
 weights, batch 1, a 16-token prompt after a 1k context, and `bench.time_engine`'s first call, the
 number `jaxdecode bench` reports. "two threads" is the code as it is (prefill and the decode chunk
-compile at once, `bench.time_engine` / `Engine._compile_steps`); "one thread" runs the same two
+compile at once, `decode.compile_at_once` in `bench.time_engine`); "one thread" runs the same two
 compilations one after the other. Then the same with JAX's persistent compilation cache in a fresh
 directory: the first process fills it, the second reads it.
 """
@@ -17,7 +17,7 @@ import tempfile
 import time
 
 _CHILD = r"""
-import concurrent.futures, json, sys, time
+import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 mode, cache_dir = sys.argv[1], sys.argv[2]
 if cache_dir != "-":
@@ -29,17 +29,8 @@ from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
 from jaxdecode.model import init_random
 
-class OneThread:  # a ThreadPoolExecutor that runs each job when it is submitted
-    def __init__(self, workers): pass
-    def __enter__(self): return self
-    def __exit__(self, *exc): return False
-    def submit(self, fn):
-        future = concurrent.futures.Future()
-        future.set_result(fn())
-        return future
-
-if mode == "one":
-    bench.ThreadPoolExecutor = OneThread
+if mode == "one":  # the same compile jobs, one after the other
+    bench.compile_at_once = lambda *jobs: [job() for job in jobs]
 engine = Engine(init_random(get_preset("llama-3.1-8b"), dtype=jnp.bfloat16))
 jax.block_until_ready(engine.params)
 start = time.perf_counter()

@@ -33,7 +33,6 @@ import os
 import sys
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import numpy as np
 from jaxdecode.bench_report import device_name, plot, print_row, summarize
 from jaxdecode.config import get_preset
 from jaxdecode.cost import decode_cost
-from jaxdecode.decode import DecodeState, Engine
+from jaxdecode.decode import DecodeState, Engine, compile_at_once
 from jaxdecode.sampling import SamplingParams, sample
 
 PEERS = ("unrolled", "scan", "hf_eager", "hf_static")
@@ -177,11 +176,9 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
         start = jnp.int32(context)
         state = jax.eval_shape(prefill_fn, engine.params, cache, tokens, start)
         spec = jax.ShapeDtypeStruct((), jnp.int32)
-        with ThreadPoolExecutor(2) as pool:
-            jobs = (pool.submit(lambda: prefill.lower(engine.params, cache, tokens, start).compile()),
-                    pool.submit(lambda: engine._chunk.lower(engine.params, state, done_ids, spec, steps=chunk,
-                                                            sampling=GREEDY).compile()))
-            compiled.extend(job.result() for job in jobs)
+        compiled.extend(compile_at_once(
+            lambda: prefill.lower(engine.params, cache, tokens, start).compile(),
+            lambda: engine._chunk.lower(engine.params, state, done_ids, spec, steps=chunk, sampling=GREEDY).compile()))
 
     def once(chunks: int):
         cache = jax.block_until_ready(new_cache(b, cache_len))

@@ -120,8 +120,8 @@ class Engine:
     def _compile_steps(self, prefill_args, *, sampling: SamplingParams, chunk: int | None, timings: dict):
         """(compiled prefill, compiled decode chunk of `chunk` steps or None), compiled at once.
 
-        The two compile in two threads: XLA's compiler and the kernels' compilers release the GIL, so
-        the first call waits for the longer of the two rather than their sum. The chunk compiles from
+        The two compile in two threads (`compile_at_once`), so the first call waits for the longer of
+        the two rather than their sum. The chunk compiles from
         the prefill's output shapes (`jax.eval_shape`). With tensor parallelism the chunk's state carries
         shardings that shapes alone do not, so there it is left to the caller (None).
         """
@@ -135,9 +135,7 @@ class Engine:
             pad = jax.ShapeDtypeStruct((), jnp.int32)
             step = lambda: self._compiled(self._chunk, prefill_args[0], state, prefill_args[-1], pad,  # noqa: E731
                                           timings=scratch, steps=chunk, sampling=sampling)
-            with ThreadPoolExecutor(2) as pool:
-                jobs = pool.submit(prefill), pool.submit(step)
-                compiled = jobs[0].result(), jobs[1].result()
+            compiled = tuple(compile_at_once(prefill, step))
         if scratch:  # something was compiled (not all cached)
             timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - start
         return compiled
@@ -268,6 +266,14 @@ class Engine:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         logits, _ = jax.jit(self.forward)(self.params, jnp.asarray(tokens), positions, self.new_cache(b, t))
         return np.asarray(logits)
+
+
+def compile_at_once(*jobs):
+    """The results of the compile `jobs` (functions of no arguments), run in one thread each: XLA's
+    compiler and the kernels' compilers release the GIL, so this takes about as long as the longest."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
 
 
 def _round_up(n: int, multiple: int) -> int:
