@@ -44,11 +44,16 @@ class ModelConfig:
     # Tensor parallelism (jaxdecode.tp): the mesh axis to psum over after o_proj and down_proj, set on
     # a per-device shard's config only. None (always, outside tp.py): no collective.
     tp_axis: str | None = None
+    # How that psum runs: "psum" (XLA's all-reduce, NCCL on GPUs) or "kernel" (`kernels.allreduce`:
+    # one peer-to-peer Mosaic GPU kernel on Hopper GPUs, psum elsewhere; measured slower, not the default).
+    tp_allreduce: str = "psum"
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig {self.name!r}: {field} must be positive, got {getattr(self, field)}")
+        if self.tp_allreduce not in ("psum", "kernel"):
+            raise ValueError(f"ModelConfig {self.name!r}: tp_allreduce must be 'psum' or 'kernel', got {self.tp_allreduce!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"

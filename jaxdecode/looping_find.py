@@ -15,6 +15,7 @@ import re
 from collections.abc import Hashable
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jcore
 
@@ -76,6 +77,10 @@ def _aval_key(aval) -> Hashable:
 
 
 def _const_key(value) -> Hashable:
+    if isinstance(value, jax.core.Tracer):
+        # A Pallas kernel's inner jaxprs (`run_scoped` in a `plgpu.kernel`) close over the kernel's
+        # own refs as tracer constants; the same kernel code closes over the same refs in every call.
+        return ("tracer", _aval_key(value.aval))
     arr = np.asarray(value)
     if arr.size > _CONST_BY_VALUE_MAX:
         return ("const-id", id(value))

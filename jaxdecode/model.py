@@ -5,7 +5,8 @@ Parameter names follow the Hugging Face checkpoint names (`embed_tokens`, `layer
 are stored as [in, out] (x @ weight), the transpose of the checkpoint's [out, in].
 
 Tensor parallelism (`jaxdecode.tp`) runs this same model on a per-device shard config; its
-`tp_axis` makes attention psum after o_proj and the MLP psum after down_proj (off by default).
+`tp_axis` makes attention psum after o_proj and the MLP psum after down_proj (off by default), through
+`tp_sum`.
 
 The layer loop is a plain Python loop. Each layer is applied through `decoder_layer_call`, one
 module-level `jax.jit` function, so every layer call appears in the jaxpr as a call of the same jaxpr:
@@ -20,8 +21,17 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode.config import ModelConfig
+from kernels import allreduce
 
 Array = jax.Array
+
+
+def tp_sum(x: Array, cfg: ModelConfig) -> Array:
+    """The tensor-parallel all-reduce of a partial sum over `cfg.tp_axis`: XLA's psum, or with
+    cfg.tp_allreduce == "kernel" `kernels.allreduce` (one peer-to-peer kernel on Hopper GPUs)."""
+    if cfg.tp_allreduce == "kernel":
+        return allreduce.all_reduce(x, cfg.tp_axis)
+    return jax.lax.psum(x, cfg.tp_axis)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -130,7 +140,7 @@ class Attention(nnx.Module):
         out = out.reshape(b, t, cfg.q_dim)  # [B, T, N*H]
         out = self.o_proj(out)  # [B, T, D]
         if cfg.tp_axis is not None:  # tensor parallel: each device's heads give a partial sum
-            out = jax.lax.psum(out, cfg.tp_axis)
+            out = tp_sum(out, cfg)
         return out, k_cache, v_cache
 
 
@@ -201,12 +211,12 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(cfg.dim, cfg.ffn_dim, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(cfg.ffn_dim, cfg.dim, dtype=dtype, rngs=rngs)
-        self.tp_axis = cfg.tp_axis
+        self.cfg = cfg
 
     def __call__(self, x: Array) -> Array:  # x: [B, T, D]
         out = self.down_proj(swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...]))  # [B, T, D]
-        if self.tp_axis is not None:  # tensor parallel: each device's F/tp columns give a partial sum
-            out = jax.lax.psum(out, self.tp_axis)
+        if self.cfg.tp_axis is not None:  # tensor parallel: each device's F/tp columns give a partial sum
+            out = tp_sum(out, self.cfg)
         return out
 
 

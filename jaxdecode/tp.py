@@ -56,8 +56,9 @@ def valid_tp(cfg: ModelConfig) -> list[int]:
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
-def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config one of tp devices runs: N/tp, K/tp, F/tp, ceil(V/tp) and tp_axis set.
+def shard_config(cfg: ModelConfig, tp: int, allreduce: str = "psum") -> ModelConfig:
+    """The config one of tp devices runs: N/tp, K/tp, F/tp, ceil(V/tp), tp_axis set and the
+    all-reduce implementation `allreduce` ("psum" or "kernel", see `ModelConfig.tp_allreduce`).
 
     Raises ValueError naming the numbers when tp does not divide the heads or the ffn width.
     """
@@ -70,7 +71,7 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
             f"tp in {valid_tp(cfg)} works")
     return cfg.replace(name=f"{cfg.name}/tp{tp}", n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
                        ffn_dim=cfg.ffn_dim // tp, head_dim=cfg.head_dim, vocab_size=-(-cfg.vocab_size // tp),
-                       tp_axis=AXIS)
+                       tp_axis=AXIS, tp_allreduce=allreduce)
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
@@ -120,11 +121,11 @@ class TPForward:
     """
 
     def __init__(self, cfg: ModelConfig, tp: int, *, dtype, loop_layers: bool = True, loop_mode: str = "slice",
-                 devices=None):
+                 devices=None, allreduce: str = "psum"):
         if loop_mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {loop_mode!r}")
         self.cfg, self.tp, self.dtype = cfg, tp, jnp.dtype(dtype)
-        self.shard_cfg = shard_config(cfg, tp)
+        self.shard_cfg = shard_config(cfg, tp, allreduce)
         self.mesh = make_mesh(tp, devices)
         self.loop_layers, self.mode = loop_layers, loop_mode
         local = nnx.eval_shape(lambda: Transformer(self.shard_cfg, dtype=dtype, rngs=nnx.Rngs(0)))

@@ -1,0 +1,111 @@
+"""One-shot all-reduce for tensor-parallel decode: one Mosaic GPU kernel, peer to peer over NVLink.
+
+A tensor-parallel decode step all-reduces a [B, D] activation twice per layer. At batch 1 that is
+8 KB, so its cost is latency, not bandwidth: NCCL behind `lax.psum` takes about 19-22 µs per call on
+two NVLink H200s (benchmarks/allreduce_variants.py), 64 calls per Llama-3.1-8B token. The Kernel
+Looping paper streams the all-reduce peer to peer into the next kernel's memory instead
+(papers.md, SN40L); this kernel is the GPU analogue: every device writes its partial straight into
+each peer's buffer, then sums what arrived, all inside one launch on the compute stream.
+
+Protocol, for n devices on one mesh axis (one CTA, 128 threads):
+ 1. `ready`: signal every peer, wait for n-1 signals. A peer's kernel has started, so its mailbox
+    (an output buffer of this call) is no longer in use by anything else and may be written.
+ 2. Write x into slot `me` of every peer's mailbox (remote stores through `plgpu.remote_ref`) and of
+    one's own, then signal every peer's `arrived` and wait for n-1 signals.
+ 3. y = Σ_s mailbox[s], in float32 and in slot order, rounded once: every device computes the same
+    sum in the same order, so all devices hold bit-identical activations (for n = 2 this equals a
+    bf16 psum exactly: the sum of two bf16 values is exact in float32).
+Semaphores end each call at zero (every wait decrements what it waited for), so calls can follow
+one another in a loop; a device that runs ahead cannot overwrite a slot before its peer's next call
+has signalled `ready`.
+
+Backend: Mosaic GPU (`plgpu.kernel`, remote refs, semaphores); in one process with several GPUs XLA
+supplies the peers' buffer addresses (its collective metadata). Mosaic GPU's interpreter in jax
+0.11.2 does not model semaphores, so on the CPU `all_reduce` runs `lax.psum` and the kernel is
+tested compiled on 2 GPUs (tests/test_allreduce_gpu.py) against psum, bit for bit.
+
+Measured on 2 H200s (benchmarks/allreduce_kernel_gpu.py, BENCHMARKS.md): correct, but not faster,
+so the engine's default stays psum (`ModelConfig.tp_allreduce`). The kernel itself runs 6.3 µs, but
+XLA runs every Mosaic kernel that talks to peers behind a cross-device NCCL barrier kernel (3.7 µs)
+and a fusion that zeroes its semaphores, and a chain of them is launched from the host: 26.8 µs per
+call in a loop, against 20.0 µs for psum; Llama-3.1-8B TP2 decode 3.85 against 3.77 ms/token.
+`plgpu.CompilerParams(skip_device_barrier=True)` would drop the barrier, but then a peer's signal can
+land before the semaphores are zeroed; a barrier-free kernel needs semaphores and a mailbox that
+persist across calls (carried through the decode loop), which jax 0.11.2 does not allocate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental import pallas as pl
+
+MAX_ELEMENTS = 64 * 1024  # 128 KB of bf16 ([16, 4096]): beyond this, bandwidth matters and NCCL wins
+_CHUNK = 4096  # elements per step: 32 per thread in registers
+
+
+def _kernel(x_ref, y_ref, mailbox_ref, ready, arrived, *, axis: str, devices: int, chunk: int):
+  """x_ref, y_ref [N]; mailbox_ref [devices, N] (peers write here); ready, arrived: semaphores."""
+  me = lax.axis_index(axis)
+  peers = [lax.rem(me + offset, devices) for offset in range(1, devices)]
+  for peer in peers:
+    pl.semaphore_signal(ready, device_id=peer)
+  pl.semaphore_wait(ready, devices - 1)
+  size = x_ref.shape[0]
+  for start in range(0, size, chunk):
+    part = pl.ds(start, chunk)
+    x = x_ref[part]
+    mailbox_ref[me, part] = x
+    for peer in peers:
+      plgpu.remote_ref(mailbox_ref.at[me, part], peer)[...] = x
+  for peer in peers:
+    pl.semaphore_signal(arrived, device_id=peer)
+  pl.semaphore_wait(arrived, devices - 1)
+  for start in range(0, size, chunk):
+    part = pl.ds(start, chunk)
+    total = mailbox_ref[0, part].astype(jnp.float32)
+    for slot in range(1, devices):
+      total = total + mailbox_ref[slot, part].astype(jnp.float32)
+    y_ref[part] = total.astype(y_ref.dtype)
+
+
+def fits(x: jax.Array) -> bool:
+  """Whether the kernel takes x: 16-bit floats, a multiple of 128 elements, at most MAX_ELEMENTS."""
+  return (x.dtype in (jnp.bfloat16, jnp.float16) and x.size % 128 == 0 and x.size <= MAX_ELEMENTS)
+
+
+def all_reduce_kernel(x: jax.Array, axis: str, devices: int) -> jax.Array:
+  """Σ over the mesh axis `axis` (of size `devices`) of x, by the Mosaic GPU kernel. Call it inside
+  shard_map on Hopper GPUs; x must satisfy `fits`."""
+  if not fits(x):
+    raise ValueError(f"the all-reduce kernel takes 16-bit floats, a multiple of 128 and at most "
+                     f"{MAX_ELEMENTS} elements; got {x.dtype} of shape {x.shape}")
+  flat = x.reshape(-1)
+  chunk = next(c for c in (_CHUNK, 2048, 1024, 512, 256, 128) if flat.size % c == 0)
+  y, _ = plgpu.kernel(
+      functools.partial(_kernel, axis=axis, devices=devices, chunk=chunk),
+      out_type=(jax.ShapeDtypeStruct(flat.shape, x.dtype),
+                jax.ShapeDtypeStruct((devices, flat.size), x.dtype)),
+      scratch_types=[plgpu.SemaphoreType.REGULAR, plgpu.SemaphoreType.REGULAR],
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+  )(flat)
+  return y.reshape(x.shape)
+
+
+def all_reduce(x: jax.Array, axis: str) -> jax.Array:
+  """lax.psum(x, axis), by the one-shot kernel where it applies (a Hopper GPU, `fits(x)`, more than
+  one device on the axis) and by `lax.psum` elsewhere."""
+  devices = lax.axis_size(axis)
+  if devices > 1 and fits(x) and _on_hopper():
+    return all_reduce_kernel(x, axis, devices)
+  return lax.psum(x, axis)
+
+
+@functools.cache
+def _on_hopper() -> bool:
+  device = jax.devices()[0]
+  return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"

@@ -1,0 +1,125 @@
+"""The tensor-parallel all-reduce (`kernels.allreduce`, `model.tp_sum`): against lax.psum and the host sum.
+
+On 2 Hopper GPUs (the device machine) the one-shot Mosaic GPU kernel runs compiled and must equal
+psum bit for bit, on both devices, also in a loop of dependent calls. Mosaic GPU's interpreter does
+not model semaphores, so on the CPU the checks are what the CPU can show: `all_reduce` falls back to
+psum (equal to the host sum), the kernel's input checks, and the kernel-looping pass traced over a
+tensor-parallel model whose layers call the kernel (they must still loop into one scan). The
+2-device CPU checks run in a subprocess with fake devices (the session's JAX has one).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode.config import get_preset
+from kernels import allreduce
+
+# -- the worker (a subprocess with 2 fake CPU devices) -----------------------------------------------
+
+
+def _worker() -> dict:
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecode.tp import AXIS, TPForward, make_mesh
+
+    mesh = make_mesh(2)
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    x16 = jnp.asarray(x, jnp.bfloat16)  # rows [0, 2) on device 0, [2, 4) on device 1
+    run = lambda fn: np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                                                      check_vma=False))(x16), np.float32)
+    got, ref = run(lambda v: allreduce.all_reduce(v, AXIS)), run(lambda v: jax.lax.psum(v, AXIS))
+    host = (np.asarray(x16[:2], np.float32) + np.asarray(x16[2:], np.float32)).astype(jnp.bfloat16).astype(np.float32)
+    # The looping pass over a TP model whose layers call the kernel (traced only: Mosaic GPU kernels
+    # do not lower on the CPU). The kernel applies where dim is a multiple of 128.
+    allreduce._on_hopper = lambda: True
+    cfg = get_preset("tiny-gqa").replace(dim=128, head_dim=16)
+    tp = TPForward.random(cfg, 2, dtype=jnp.bfloat16, loop_mode="inplace", allreduce="kernel")
+    plan = tp._plan(1, 1, 64, jnp.bfloat16)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    step = str(jax.make_jaxpr(tp.forward)(tp.params, tokens, tokens, tp.new_cache(1, 64, jnp.bfloat16)))
+    return {"equal_psum": bool(np.array_equal(got, ref)), "equal_host": bool(np.array_equal(got[:2], host)),
+            "devices_equal": bool(np.array_equal(got[:2], got[2:])),
+            "runs": [r.length for r in plan.report.runs], "layers": cfg.n_layers,
+            "kernels_in_step": step.count("mpmd_map")}
+
+
+if __name__ == "__main__" and os.environ.get("ALLREDUCE_TEST_WORKER"):
+    print(json.dumps(_worker()))
+    sys.exit(0)
+
+
+# -- the tests ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker():
+    env = {**os.environ, "ALLREDUCE_TEST_WORKER": "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_falls_back_to_psum(worker):
+    assert worker["equal_psum"] and worker["equal_host"] and worker["devices_equal"]
+
+
+def test_layers_calling_the_kernel_still_loop(worker):
+    """One scan over all layers, whose body holds the kernel twice (after o_proj and down_proj); the
+    embedding's psum stays a psum."""
+    assert worker["runs"] == [worker["layers"]]
+    assert worker["kernels_in_step"] == 2, worker
+
+
+def test_kernel_refuses_inputs_it_does_not_take():
+    assert allreduce.fits(jnp.zeros((8, 4096), jnp.bfloat16))
+    for bad in (jnp.zeros((1, 4096), jnp.float32), jnp.zeros((1, 100), jnp.bfloat16),
+                jnp.zeros((32, 4096), jnp.bfloat16)):
+        assert not allreduce.fits(bad)
+        with pytest.raises(ValueError, match="all-reduce kernel takes"):
+            allreduce.all_reduce_kernel(bad, "tp", 2)
+
+
+def test_config_names_a_bad_allreduce():
+    with pytest.raises(ValueError, match="tp_allreduce must be 'psum' or 'kernel'"):
+        get_preset("tiny-gqa").replace(tp_allreduce="nccl")
+
+
+# -- compiled, on 2 Hopper GPUs ------------------------------------------------------------------------
+
+
+def _hopper_pair() -> bool:
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    return len(gpus) >= 2 and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus[:2])
+
+
+@pytest.mark.skipif(not _hopper_pair(), reason="needs 2 Hopper GPUs (the kernel is Mosaic GPU with remote refs)")
+@pytest.mark.parametrize("batch", [1, 8, 16])
+def test_kernel_equals_psum_on_gpus(batch):
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecode.tp import AXIS, make_mesh
+
+    mesh = make_mesh(2)
+    sharded = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+    x = jnp.asarray(np.random.default_rng(batch).standard_normal((2 * batch, 4096)), jnp.bfloat16)
+    got = np.asarray(sharded(lambda v: allreduce.all_reduce_kernel(v, AXIS, 2))(x), np.float32)
+    ref = np.asarray(sharded(lambda v: jax.lax.psum(v, AXIS))(x), np.float32)
+    assert np.array_equal(got, ref) and np.array_equal(got[:batch], got[batch:])
+
+    def loop(impl):  # 50 dependent calls, each input different on each device
+        def body(v):
+            bump = (jax.lax.axis_index(AXIS) + 1).astype(v.dtype) * jnp.asarray(1e-2, v.dtype)
+            return jax.lax.fori_loop(0, 50, lambda i, v: impl(v) * jnp.asarray(0.5, v.dtype) + bump, v)
+        return np.asarray(sharded(body)(x), np.float32)
+
+    assert np.array_equal(loop(lambda v: allreduce.all_reduce_kernel(v, AXIS, 2)),
+                          loop(lambda v: jax.lax.psum(v, AXIS)))
