@@ -1,14 +1,18 @@
-"""The one-shot all-reduce kernel (`kernels.allreduce`) against XLA's psum (NCCL) on 2 GPUs, then in decode.
+"""The one-shot all-reduce kernels (`kernels.allreduce`) against XLA's psum (NCCL) on 2 GPUs, then in decode.
 
-    python benchmarks/allreduce_kernel_gpu.py      # 2 Hopper GPUs; table last, JSON to $OUT/allreduce_kernel_gpu.json
+    python benchmarks/allreduce_kernel_gpu.py [--no-decode] [--decode-only] [--70b]
+        # 2 Hopper GPUs; table last, JSON to $OUT/allreduce_kernel_gpu.json
 
-1. Values: [B, 4096] bf16 per device, different on each, B = 1, 8, 16: the kernel's sum equals psum's
-   bit for bit on both devices; and a loop of 200 dependent all-reduces (lax.fori_loop, each input
-   made device-dependent) gives the same values both ways (no stale or torn reads across calls).
-2. Latency: a jitted chain of 100 dependent all-reduces of [B, 4096] bf16, best of 5, time / 100,
-   unrolled and inside a fori_loop, for psum and the kernel.
-3. Decode: Llama-3.1-8B, random bf16 weights, batch 1 and 8, 1k context, the default looped engine
-   on 1 GPU and on 2 with each all-reduce (`TPForward(allreduce=...)`); greedy tokens compared.
+Implementations: "psum"; "kernel" (`all_reduce_kernel`, behind XLA's cross-device barrier);
+"persistent" (`all_reduce_persistent`, barrier-free, flags and mailbox passed in and kept alive).
+1. Values: [B, 4096] bf16 per device, different on each, B = 1, 8, 16: each kernel's sum equals
+   psum's bit for bit on both devices; and a loop of 200 dependent all-reduces (lax.fori_loop, each
+   input made device-dependent) gives the same values (no stale or torn reads across calls).
+2. Latency: a jitted fori_loop of 100 dependent all-reduces of [B, 4096] bf16, best of 5, time / 100.
+3. Profile: kernel durations on GPU 0 in that loop at B = 1.
+4. Decode: Llama-3.1-8B, random bf16 weights, batch 1 and 8, 1k context, the default looped engine
+   on 1 GPU and on 2 with psum and with `TPForward(allreduce="kernel")`; greedy tokens compared.
+   With --70b, Llama-3.1-70B on 2 GPUs the same two ways.
 """
 
 from __future__ import annotations
@@ -39,41 +43,57 @@ from kernels import allreduce  # noqa: E402
 DIM = 4096
 
 
-def reduce_fn(impl: str):
-    return (lambda x: jax.lax.psum(x, AXIS)) if impl == "psum" else (lambda x: allreduce.all_reduce_kernel(x, AXIS, 2))
+IMPLS = ("psum", "kernel", "persistent")
+_BUFFERS = {}  # the persistent kernel's state and mailbox: made once, passed to every call
+
+
+def reduce_fn(impl: str, bufs=None):
+    if impl == "psum":
+        return lambda x: jax.lax.psum(x, AXIS)
+    if impl == "kernel":
+        return lambda x: allreduce.all_reduce_kernel(x, AXIS, 2)
+    return lambda x: allreduce.all_reduce_persistent(x, AXIS, *bufs)
 
 
 def sharded(fn, mesh):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+    """jit(shard_map(fn)) with fn(x, state, mailbox); returns a function of x alone."""
+    if "bufs" not in _BUFFERS:
+        _BUFFERS["bufs"] = allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16)
+    run = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS), check_vma=False))
+    return lambda x: run(x, *_BUFFERS["bufs"])
 
 
 def values(mesh, out):
     rng = np.random.default_rng(0)
     for b in (1, 8, 16):
         x = jnp.asarray(rng.standard_normal((2 * b, DIM)), jnp.bfloat16)  # rows [0, b) on GPU 0, [b, 2b) on GPU 1
-        ref = np.asarray(sharded(reduce_fn("psum"), mesh)(x), np.float32)
-        got = np.asarray(sharded(reduce_fn("kernel"), mesh)(x), np.float32)
-        host = (np.asarray(x[:b], np.float32) + np.asarray(x[b:], np.float32))
-        out["values"].append({"batch": b, "bitwise_equal_psum": bool(np.array_equal(ref, got)),
-                              "devices_equal": bool(np.array_equal(got[:b], got[b:])),
-                              "max_abs_vs_host_f32": float(np.abs(got[:b] - host).max())})
-        print(out["values"][-1], flush=True)
-    for impl in ("psum", "kernel"):
-        def loop(x, impl=impl):
+        ref = np.asarray(sharded(lambda v, *bufs: reduce_fn("psum")(v), mesh)(x), np.float32)
+        for impl in IMPLS[1:]:
+            got = np.asarray(sharded(lambda v, *bufs, impl=impl: reduce_fn(impl, bufs)(v), mesh)(x), np.float32)
+            host = (np.asarray(x[:b], np.float32) + np.asarray(x[b:], np.float32))
+            out["values"].append({"impl": impl, "batch": b, "bitwise_equal_psum": bool(np.array_equal(ref, got)),
+                                  "devices_equal": bool(np.array_equal(got[:b], got[b:])),
+                                  "max_abs_vs_host_f32": float(np.abs(got[:b] - host).max())})
+            print(out["values"][-1], flush=True)
+    loops = {}
+    for impl in IMPLS:
+        def loop(x, *bufs, impl=impl):
             bump = (jax.lax.axis_index(AXIS) + 1).astype(x.dtype) * jnp.asarray(1e-2, x.dtype)
-            return jax.lax.fori_loop(0, 200, lambda i, x: reduce_fn(impl)(x) * jnp.asarray(0.5, x.dtype) + bump, x)
-        out[f"loop_{impl}"] = np.asarray(sharded(loop, mesh)(jnp.ones((16, DIM), jnp.bfloat16)), np.float32)
-    out["values"].append({"loop_200_equal": bool(np.array_equal(out.pop("loop_psum"), out.pop("loop_kernel")))})
+            step = lambda i, x: reduce_fn(impl, bufs)(x) * jnp.asarray(0.5, x.dtype) + bump
+            return jax.lax.fori_loop(0, 200, step, x)
+        loops[impl] = np.asarray(sharded(loop, mesh)(jnp.ones((16, DIM), jnp.bfloat16)), np.float32)
+    out["values"].append({f"loop_200_equal_{impl}": bool(np.array_equal(loops["psum"], loops[impl]))
+                          for impl in IMPLS[1:]})
     print(out["values"][-1], flush=True)
 
 
 def latency(mesh, out, n: int = 100):
     for b in (1, 8, 16):
-        for impl in ("psum", "kernel"):
+        for impl in IMPLS:
             for form in ("fori_loop",):
-                def chain(x, impl=impl, form=form):
+                def chain(x, *bufs, impl=impl, form=form):
                     bump = (jax.lax.axis_index(AXIS) + 1).astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
-                    step = lambda i, x: reduce_fn(impl)(x) * jnp.asarray(0.5, x.dtype) + bump
+                    step = lambda i, x: reduce_fn(impl, bufs)(x) * jnp.asarray(0.5, x.dtype) + bump
                     if form == "fori_loop":
                         return jax.lax.fori_loop(0, n, step, x)
                     for i in range(n):
@@ -95,10 +115,10 @@ def profile(mesh, out, n: int = 100):
     """Kernel durations and gaps on GPU 0 in a fori_loop of n all-reduces of [1, 4096] bf16."""
     sys.path.insert(0, os.path.dirname(__file__))
     from gpu_trace import gpu_pids, track_names, traced_events
-    for impl in ("psum", "kernel"):
-        def chain(x, impl=impl):
+    for impl in IMPLS:
+        def chain(x, *bufs, impl=impl):
             bump = (jax.lax.axis_index(AXIS) + 1).astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
-            return jax.lax.fori_loop(0, n, lambda i, x: reduce_fn(impl)(x) * jnp.asarray(0.5, x.dtype) + bump, x)
+            return jax.lax.fori_loop(0, n, lambda i, x: reduce_fn(impl, bufs)(x) * jnp.asarray(0.5, x.dtype) + bump, x)
         fn = sharded(chain, mesh)
         x = jnp.ones((2, DIM), jnp.bfloat16)
         fn(x).block_until_ready()
@@ -145,11 +165,38 @@ def decode(out):
         engine = None
         gc.collect()
     for r in out["decode"]:
+        if not r["variant"].startswith("tp"):
+            continue
         one = next(x for x in out["decode"] if x["variant"] == "tp1" and x["batch"] == r["batch"])
         r["speedup_vs_tp1"] = round(one["ms_per_token"] / r["ms_per_token"], 3)
         r["tokens_agree_vs_tp1"] = tokens_agree(tokens[(r["variant"], r["batch"])], tokens[("tp1", r["batch"])])
         r["tokens_equal_vs_tp2_psum"] = bool(np.array_equal(tokens[(r["variant"], r["batch"])],
                                                             tokens[("tp2_psum", r["batch"])]))
+
+
+def decode_70b(out):
+    """Llama-3.1-70B on 2 GPUs (random weights made in place), psum against the kernel."""
+    cfg = get_preset("llama-3.1-70b")
+    ceiling = out.get("read_ceiling_gb_s") or read_ceiling_gb_s(4)
+    tokens = {}
+    for name in ("psum", "kernel"):
+        engine = Engine(None, tp=TPForward.random(cfg, 2, dtype=jnp.bfloat16, loop_mode="inplace", allreduce=name))
+        for b in (1, 8):
+            prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, 16))
+            time_engine(engine, prompts, context=1024, steps=32)  # compile
+            best = min((time_engine(engine, prompts, context=1024, steps=32) for _ in range(2)),
+                       key=lambda t: t.decode_s / t.steps)
+            ms = best.decode_s / best.steps * 1e3
+            tokens[(name, b)] = best.tokens
+            moved = decode_cost(cfg, batch=b, context=1024 + 16 + 16, itemsize=2).bytes
+            out["decode"].append({"variant": f"70b_tp2_{name}", "batch": b, "ms_per_token": round(ms, 3),
+                                  "pct_roofline": round(100 * moved / (ms / 1e3) / 1e9 / (ceiling * 2), 1)})
+            print(out["decode"][-1], flush=True)
+        engine = None
+        gc.collect()
+    for b in (1, 8):
+        out["decode"].append({"variant": "70b_tokens_equal", "batch": b,
+                              "equal": bool(np.array_equal(tokens[("psum", b)], tokens[("kernel", b)]))})
 
 
 def main() -> int:
@@ -164,8 +211,13 @@ def main() -> int:
            "values": [], "latency": [], "profile": [], "decode": [], "errors": []}
     print({k: out[k] for k in ("device", "jax", "single_process_multi_device", "nvshmem_available")}, flush=True)
     mesh = make_mesh(2)
-    for section in (lambda: values(mesh, out), lambda: latency(mesh, out), lambda: profile(mesh, out),
-                    lambda: decode(out)):
+    sections = [] if "--decode-only" in sys.argv else [lambda: values(mesh, out), lambda: latency(mesh, out),
+                                                       lambda: profile(mesh, out)]
+    if "--no-decode" not in sys.argv:
+        sections.append(lambda: decode(out))
+    if "--70b" in sys.argv:
+        sections.append(lambda: decode_70b(out))
+    for section in sections:
         try:
             section()
         except Exception as e:  # keep the other sections
@@ -176,6 +228,9 @@ def main() -> int:
         print(f"  B={r['batch']:>2} {r['impl']:>6} {r['form']:>9}: {r['us']:.2f}")
     print("decode, Llama-3.1-8B, 1k context")
     for r in out["decode"]:
+        if "ms_per_token" not in r:
+            print("  ", r)
+            continue
         print(f"  {r['variant']:>10} B={r['batch']}: {r['ms_per_token']:.3f} ms/token, {r['pct_roofline']}% roofline, "
               f"x{r.get('speedup_vs_tp1')} vs TP1, tokens agree {r.get('tokens_agree_vs_tp1')}, "
               f"equal to psum {r.get('tokens_equal_vs_tp2_psum')}")

@@ -1,7 +1,8 @@
 """The tensor-parallel all-reduce (`kernels.allreduce`, `model.tp_sum`): against lax.psum and the host sum.
 
-On 2 Hopper GPUs (the device machine) the one-shot Mosaic GPU kernel runs compiled and must equal
-psum bit for bit, on both devices, also in a loop of dependent calls. Mosaic GPU's interpreter does
+On 2 Hopper GPUs (the device machine) both one-shot Mosaic GPU kernels (behind XLA's barrier, and
+barrier-free with persistent flags) run compiled and must equal psum bit for bit, on both devices,
+also in a loop of dependent calls. Mosaic GPU's interpreter does
 not model semaphores, so on the CPU the checks are what the CPU can show: `all_reduce` falls back to
 psum (equal to the host sum), the kernel's input checks, and the kernel-looping pass traced over a
 tensor-parallel model whose layers call the kernel (they must still loop into one scan). The
@@ -102,24 +103,33 @@ def _hopper_pair() -> bool:
 
 
 @pytest.mark.skipif(not _hopper_pair(), reason="needs 2 Hopper GPUs (the kernel is Mosaic GPU with remote refs)")
+@pytest.mark.parametrize("impl", ["barrier", "persistent"])
 @pytest.mark.parametrize("batch", [1, 8, 16])
-def test_kernel_equals_psum_on_gpus(batch):
+def test_kernel_equals_psum_on_gpus(batch, impl):
+    """Both kernels (behind XLA's barrier; barrier-free with persistent flags and mailbox) equal psum
+    bit for bit on both devices, once and over 50 dependent calls."""
     from jax.sharding import PartitionSpec as P
 
     from jaxdecode.tp import AXIS, make_mesh
 
     mesh = make_mesh(2)
-    sharded = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+    bufs = allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16)  # the same arrays for every call below
+    kernel = ((lambda v, *b: allreduce.all_reduce_kernel(v, AXIS, 2)) if impl == "barrier"
+              else (lambda v, *b: allreduce.all_reduce_persistent(v, AXIS, *b)))
+    psum = lambda v, *b: jax.lax.psum(v, AXIS)
+
+    def sharded(fn):
+        run = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS), check_vma=False))
+        return lambda v: np.asarray(run(v, *bufs), np.float32)
+
     x = jnp.asarray(np.random.default_rng(batch).standard_normal((2 * batch, 4096)), jnp.bfloat16)
-    got = np.asarray(sharded(lambda v: allreduce.all_reduce_kernel(v, AXIS, 2))(x), np.float32)
-    ref = np.asarray(sharded(lambda v: jax.lax.psum(v, AXIS))(x), np.float32)
+    got, ref = sharded(kernel)(x), sharded(psum)(x)
     assert np.array_equal(got, ref) and np.array_equal(got[:batch], got[batch:])
 
-    def loop(impl):  # 50 dependent calls, each input different on each device
-        def body(v):
+    def loop(reduce):  # 50 dependent calls, each input different on each device
+        def body(v, *b):
             bump = (jax.lax.axis_index(AXIS) + 1).astype(v.dtype) * jnp.asarray(1e-2, v.dtype)
-            return jax.lax.fori_loop(0, 50, lambda i, v: impl(v) * jnp.asarray(0.5, v.dtype) + bump, v)
-        return np.asarray(sharded(body)(x), np.float32)
+            return jax.lax.fori_loop(0, 50, lambda i, v: reduce(v, *b) * jnp.asarray(0.5, v.dtype) + bump, v)
+        return sharded(body)(x)
 
-    assert np.array_equal(loop(lambda v: allreduce.all_reduce_kernel(v, AXIS, 2)),
-                          loop(lambda v: jax.lax.psum(v, AXIS)))
+    assert np.array_equal(loop(kernel), loop(psum))
