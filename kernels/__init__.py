@@ -1,5 +1,5 @@
 """Pallas GPU kernels for decode (FlashDecoding++): decode_attention, flat_gemm, flat_gemm_stream, rms_norm,
-dispatch, tune, shapes; tables/<gpu>.json holds the profiled dispatch tables that dispatch reads.
+allreduce (tensor parallel), dispatch, tune, shapes; tables/<gpu>.json holds the profiled dispatch tables that dispatch reads.
 
 No imports from jaxdecode or rdu. Each kernel module reads: kernel body, pallas_call / plgpu.kernel
 wrapper, public jitted op, pure-jnp reference.
