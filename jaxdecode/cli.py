@@ -30,6 +30,9 @@ def _add_model(p: argparse.ArgumentParser):
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism: split heads, FFN and vocab over this many devices (default 1); "
                         "it must divide the head counts (SmolLM2-135M: 3, not 2)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep XLA's compiled programs in DIR (JAX's persistent compilation cache), so that a "
+                        "later run with the same model and shapes skips the backend compile")
 
 
 def _add_sampling(p: argparse.ArgumentParser):
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "tp", 1) != 1:
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before JAX starts NCCL
+        if getattr(args, "compile_cache", None):
+            _use_compile_cache(args.compile_cache)
         return _COMMANDS[args.command](args)
     except CliError as e:
         print(f"jaxdecode: error: {e}", file=sys.stderr)
@@ -111,6 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _use_compile_cache(path: str) -> None:
+    """Point JAX's persistent compilation cache at `path` (made if missing), caching every program."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError(f"--compile-cache {path!r} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--compile-cache {path!r}: cannot make the directory ({e.strerror})") from e
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small programs too
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _sampling(args):

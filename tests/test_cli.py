@@ -76,3 +76,27 @@ def test_help_on_every_command():
         proc = subprocess.run([sys.executable, "-m", "jaxdecode.cli", *cmd, "--help"], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 0 and "usage: jaxdecode" in proc.stdout
+
+
+def test_compile_cache_is_filled_and_reused(tmp_path):
+    """--compile-cache: the first run writes compiled programs there; a second process with the same
+    model and shapes reads them back and generates the same tokens."""
+    cache = tmp_path / "xla-cache"
+    argv = [sys.executable, "-m", "jaxdecode.cli", "generate", "The capital of France is", "--max-new-tokens", "6",
+            "--json", "--compile-cache", str(cache)]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries, "the first run wrote nothing to the cache"
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert sorted(p.name for p in cache.iterdir()) == entries  # nothing new compiled: every program was found
+    tokens = [json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in (first, second)]
+    assert tokens[0] == tokens[1]
+
+
+def test_compile_cache_that_is_a_file_exits_2(tmp_path, capsys):
+    path = tmp_path / "not-a-dir"
+    path.write_text("x")
+    code, _, err = _run(["generate", "hi", "--compile-cache", str(path)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is a file" in err, err
