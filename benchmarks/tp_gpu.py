@@ -64,14 +64,18 @@ def allreduce_us(dim: int, batch: int, n: int = 100, devices: int = 2, compiler_
 
     fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False),
                  compiler_options=compiler_options)
-    x = jnp.ones((batch, dim), jnp.bfloat16)
-    fn(x).block_until_ready()
+    return best_wall_s(fn, jnp.ones((batch, dim), jnp.bfloat16)) / n * 1e6
+
+
+def best_wall_s(fn, *args, runs: int = 5) -> float:
+    """The best of `runs` wall-clock timings of fn(*args), after one warm-up (compiling) call."""
+    jax.block_until_ready(fn(*args))
     best = float("inf")
-    for _ in range(5):
+    for _ in range(runs):
         start = time.perf_counter()
-        fn(x).block_until_ready()
+        jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - start)
-    return best / n * 1e6
+    return best
 
 
 def row(name: str, cfg, engine: Engine, batch: int, context: int, ceiling: float, rng) -> tuple[dict, np.ndarray]:

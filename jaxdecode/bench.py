@@ -32,7 +32,6 @@ import json
 import os
 import sys
 import time
-import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -140,8 +139,9 @@ def chunking(steps: int, chunk: int = 32) -> tuple[int, int]:
     return chunk, -(-steps // chunk)
 
 
-# engine -> {(batch, prompt, cache length, chunk): [compiled prefill, compiled chunk]}: kept across calls
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Each engine keeps {(batch, prompt, cache length, chunk): [compiled prefill, compiled chunk]} across calls
+# in this attribute. (A module-level WeakKeyDictionary leaked engines: its values close over their key.)
+_COMPILED_ATTR = "_bench_compiled"
 
 
 def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int, chunk: int = 32) -> Timing:
@@ -164,7 +164,7 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
     prefill = jax.jit(prefill_fn, donate_argnums=1)
     new_cache = jax.jit(engine.new_cache, static_argnums=(0, 1))  # in one jit: no per-layer copies to stack
     tokens, done_ids, pad = jnp.asarray(prompts, jnp.int32), jnp.asarray([-2], jnp.int32), jnp.int32(-1)
-    compiled = _COMPILED.setdefault(engine, {}).setdefault((b, p, cache_len, chunk), [])  # [prefill, chunk]
+    compiled = engine.__dict__.setdefault(_COMPILED_ATTR, {}).setdefault((b, p, cache_len, chunk), [])  # [prefill, chunk]
 
     def compile_both(cache):
         """Prefill and the decode chunk compiled at once, in two threads (as `Engine._compile_steps`);

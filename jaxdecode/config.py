@@ -44,8 +44,9 @@ class ModelConfig:
     # Tensor parallelism (jaxdecode.tp): the mesh axis to psum over after o_proj and down_proj, set on
     # a per-device shard's config only. None (always, outside tp.py): no collective.
     tp_axis: str | None = None
-    # How that psum runs: "psum" (XLA's all-reduce, NCCL on GPUs) or "kernel" (`kernels.allreduce`:
-    # one peer-to-peer Mosaic GPU kernel on Hopper GPUs, psum elsewhere; measured slower, not the default).
+    # How that psum runs: "psum" (XLA's all-reduce, NCCL on GPUs) or "kernel" (`kernels.allreduce.all_reduce`:
+    # a peer-to-peer Mosaic GPU kernel where it pays, on 2 Hopper GPUs at small sizes; psum elsewhere).
+    # `jaxdecode.tp.TPForward` sets "kernel" by default.
     tp_allreduce: str = "psum"
 
     def __post_init__(self):

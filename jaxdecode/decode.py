@@ -84,7 +84,7 @@ class Engine:
             self._tp = tp if isinstance(tp, TPForward) else TPForward.from_model(
                 model, tp, loop_layers=loop_layers, loop_mode=loop_mode or default_loop_mode())
             self.cfg, self.loop_layers, self.graphdef = self._tp.cfg, self._tp.loop_layers, self._tp.graphdef
-            self.cache_dtype, self.params = cache_dtype or self._tp.dtype, self._tp.params
+            self.cache_dtype, self.params = cache_dtype or self._tp.dtype, self._tp.step_params
         else:
             self._init_one_device(model, loop_layers, cache_dtype, loop_mode)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)

@@ -28,7 +28,7 @@ Array = jax.Array
 
 def tp_sum(x: Array, cfg: ModelConfig) -> Array:
     """The tensor-parallel all-reduce of a partial sum over `cfg.tp_axis`: XLA's psum, or with
-    cfg.tp_allreduce == "kernel" `kernels.allreduce` (one peer-to-peer kernel on Hopper GPUs)."""
+    cfg.tp_allreduce == "kernel" `kernels.allreduce.all_reduce` (a peer-to-peer kernel where it pays)."""
     if cfg.tp_allreduce == "kernel":
         return allreduce.all_reduce(x, cfg.tp_axis)
     return jax.lax.psum(x, cfg.tp_axis)

@@ -17,6 +17,9 @@ two per layer, and one all-gather of the logits.
 
 With kernel looping the per-device forward goes through `looping.kernel_loop` like the one-device
 forward: the psums sit inside the layer calls, the calls stay identical, and they become one scan.
+On 2 Hopper GPUs the layer psums of small activations run as one peer-to-peer kernel instead of NCCL
+(`kernels.allreduce`, `allreduce="kernel"`, the default; "psum" keeps NCCL): its flags and mailbox
+are made once here and passed with the weights (`step_params`).
 The plan is traced inside a shard_map, where the axis name is bound.
 
 tp must divide n_heads, n_kv_heads and ffn_dim. The default model, SmolLM2-135M (9 heads, 3 kv
@@ -29,8 +32,10 @@ Known debt: `TPForward.from_model` needs the whole model on one device first; on
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from typing import NamedTuple
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before any NCCL communicator
 
@@ -45,9 +50,17 @@ from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
 from jaxdecode.looped_model import KERNEL_CALLS, LOOP_MODES, kernel_stacked_dot
 from jaxdecode.looping import LoopPlan, Packed, kernel_loop
 from jaxdecode.model import Transformer, rope_cos_sin, rope_inv_freq
+from kernels import allreduce as kernels_allreduce
 
 AXIS = "tp"
 _PARAMS, _K, _V = 0, 3, 4  # argument positions of `TPForward._local_forward` that the loop plan packs
+
+
+class TPParams(NamedTuple):
+    """`TPForward.step_params` with the all-reduce kernel: the weights and its persistent buffers."""
+
+    weights: object
+    comm: tuple
 
 
 def valid_tp(cfg: ModelConfig) -> list[int]:
@@ -56,7 +69,7 @@ def valid_tp(cfg: ModelConfig) -> list[int]:
     return [d for d in range(1, g + 1) if g % d == 0]
 
 
-def shard_config(cfg: ModelConfig, tp: int, allreduce: str = "psum") -> ModelConfig:
+def shard_config(cfg: ModelConfig, tp: int, allreduce: str = "kernel") -> ModelConfig:
     """The config one of tp devices runs: N/tp, K/tp, F/tp, ceil(V/tp), tp_axis set and the
     all-reduce implementation `allreduce` ("psum" or "kernel", see `ModelConfig.tp_allreduce`).
 
@@ -121,12 +134,18 @@ class TPForward:
     """
 
     def __init__(self, cfg: ModelConfig, tp: int, *, dtype, loop_layers: bool = True, loop_mode: str = "slice",
-                 devices=None, allreduce: str = "psum"):
+                 devices=None, allreduce: str = "kernel"):
         if loop_mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {loop_mode!r}")
         self.cfg, self.tp, self.dtype = cfg, tp, jnp.dtype(dtype)
         self.shard_cfg = shard_config(cfg, tp, allreduce)
         self.mesh = make_mesh(tp, devices)
+        # The barrier-free all-reduce kernel's flags and mailbox (kernels.allreduce.persistent_buffers):
+        # made once, they ride in `step_params`, so every jitted step gets the same arrays as arguments.
+        self._comm = ()
+        if (allreduce == "kernel" and tp == 2 and self.dtype in (jnp.bfloat16, jnp.float16)
+                and kernels_allreduce._on_hopper()):
+            self._comm = kernels_allreduce.persistent_buffers(self.mesh, AXIS, self.dtype)
         self.loop_layers, self.mode = loop_layers, loop_mode
         local = nnx.eval_shape(lambda: Transformer(self.shard_cfg, dtype=dtype, rngs=nnx.Rngs(0)))
         self.graphdef, local_state = nnx.split(local)
@@ -204,8 +223,19 @@ class TPForward:
 
     # -- the forward ----------------------------------------------------------------------------
 
-    def _local_forward(self, params, tokens, positions, k_caches, v_caches):
-        """One device's forward: local weights and caches, full logits [B, T, V] out."""
+    @property
+    def step_params(self):
+        """What the Engine passes to `forward` as params: the weights, and the all-reduce kernel's
+        persistent buffers when it has them (as jit arguments they stay the same arrays every call)."""
+        return TPParams(self.params, self._comm) if self._comm else self.params
+
+    def _local_forward(self, params, tokens, positions, k_caches, v_caches, *comm):
+        """One device's forward: local weights and caches, full logits [B, T, V] out. `comm`: this
+        device's shards of the all-reduce kernel's persistent buffers, or nothing."""
+        with kernels_allreduce.using_buffers(*comm) if comm else contextlib.nullcontext():
+            return self._local_forward_body(params, tokens, positions, k_caches, v_caches)
+
+    def _local_forward_body(self, params, tokens, positions, k_caches, v_caches):
         model = nnx.merge(self.graphdef, params)
         vocab = model.cfg.vocab_size  # V_pad / tp rows here
         with jax.named_scope("embed"):
@@ -228,7 +258,8 @@ class TPForward:
             c = self.shard_cfg
             ints = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
             kv = [jax.ShapeDtypeStruct((batch, cache_len, c.n_kv_heads, c.head_dim), cache_dtype)] * c.n_layers
-            args = (self._local_specs, ints, ints, kv, kv)
+            comm = [jax.ShapeDtypeStruct((a.shape[0] // self.tp, *a.shape[1:]), a.dtype) for a in self._comm]
+            args = (self._local_specs, ints, ints, kv, kv, *comm)
             self._plans[key] = _under_axis(self.mesh, lambda: kernel_loop(
                 self._local_forward, *args,
                 index_mode="slice" if self.mode == "slice" else "whole", packed_outputs={1: _K, 2: _V},
@@ -244,9 +275,14 @@ class TPForward:
             stack = cache.k.stacks[0]  # [L, B, S, K, H]
             fn = self._plan(b, t, stack.shape[2], stack.dtype).looped
         kv_spec = jax.tree.map(lambda a: P(*(None,) * (a.ndim - 2), AXIS, None), (cache.k, cache.v))  # K axis
-        logits, k, v = jax.shard_map(fn, mesh=self.mesh, in_specs=(self.param_specs, P(), P(), *kv_spec),
+        params, comm = (params.weights, params.comm) if isinstance(params, TPParams) else (params, ())
+        if len(comm) != len(self._comm):
+            raise ValueError("this TPForward runs the all-reduce kernel: pass `step_params` (the weights and its "
+                             "buffers) as params, not `params`")
+        logits, k, v = jax.shard_map(fn, mesh=self.mesh,
+                                     in_specs=(self.param_specs, P(), P(), *kv_spec, *(P(AXIS),) * len(comm)),
                                      out_specs=(P(), *kv_spec), check_vma=False)(
-            params, tokens, positions, cache.k, cache.v)
+            params, tokens, positions, cache.k, cache.v, *comm)
         return logits, KVCache(k, v)
 
     def new_cache(self, batch: int, length: int, dtype) -> KVCache:

@@ -1,41 +1,36 @@
-"""One-shot all-reduce for tensor-parallel decode: one Mosaic GPU kernel, peer to peer over NVLink.
+"""One-shot all-reduce for tensor-parallel decode: Mosaic GPU kernels, peer to peer over NVLink.
 
 A tensor-parallel decode step all-reduces a [B, D] activation twice per layer. At batch 1 that is
-8 KB, so its cost is latency, not bandwidth: NCCL behind `lax.psum` takes about 19-22 µs per call on
-two NVLink H200s (benchmarks/allreduce_variants.py), 64 calls per Llama-3.1-8B token. The Kernel
-Looping paper streams the all-reduce peer to peer into the next kernel's memory instead
-(papers.md, SN40L); this kernel is the GPU analogue: every device writes its partial straight into
-each peer's buffer, then sums what arrived, all inside one launch on the compute stream.
+8 KB, so its cost is latency, not bandwidth: NCCL behind `lax.psum` takes about 20-25 µs per call on
+two NVLink H200s, 64 calls per Llama-3.1-8B token. The Kernel Looping paper streams the all-reduce
+peer to peer into the next kernel's memory instead (papers.md, SN40L); these kernels are the GPU
+analogue: each device writes its partial straight into the peer's mailbox over NVLink
+(`plgpu.remote_ref`), the two handshake, and each sums the slots in float32 in slot order, rounded
+once, so both devices hold bit-identical activations (for 2 devices this equals a bf16 psum exactly:
+the sum of two bf16 values is exact in float32). One CTA, 128 threads, one launch.
 
-Protocol, for n devices on one mesh axis (one CTA, 128 threads):
- 1. `ready`: signal every peer, wait for n-1 signals. A peer's kernel has started, so its mailbox
-    (an output buffer of this call) is no longer in use by anything else and may be written.
- 2. Write x into slot `me` of every peer's mailbox (remote stores through `plgpu.remote_ref`) and of
-    one's own, then signal every peer's `arrived` and wait for n-1 signals.
- 3. y = Σ_s mailbox[s], in float32 and in slot order, rounded once: every device computes the same
-    sum in the same order, so all devices hold bit-identical activations (for n = 2 this equals a
-    bf16 psum exactly: the sum of two bf16 values is exact in float32).
-Semaphores end each call at zero (every wait decrements what it waited for), so calls can follow
-one another in a loop; a device that runs ahead cannot overwrite a slot before its peer's next call
-has signalled `ready`.
+Two kernels:
+- `all_reduce_kernel` (n devices): semaphores and mailbox are the kernel's scratch and output, so
+  XLA runs it behind a cross-device NCCL barrier kernel and a fusion that zeroes the semaphores.
+  Measured slower than psum at every size (26.8 vs 20.0 µs; TP2 decode 3.85 vs 3.77 ms/token); kept
+  for comparison, never picked by `all_reduce`.
+- `all_reduce_persistent` (2 devices): flags and mailbox are inputs the caller keeps alive across
+  calls (`persistent_buffers`), epoch-numbered instead of zeroed, so it runs with no barrier
+  (`skip_device_barrier=True`). `all_reduce` picks it for small x inside `using_buffers`; the
+  tensor-parallel engine passes the buffers with its params (`TPForward.step_params`). They must be
+  arguments of the jitted program: closed over, jax embeds them as HLO constants, which XLA may
+  materialize as fresh zeroed temporaries, and the decode hung that way.
 
-Backend: Mosaic GPU (`plgpu.kernel`, remote refs, semaphores); in one process with several GPUs XLA
-supplies the peers' buffer addresses (its collective metadata). Mosaic GPU's interpreter in jax
-0.11.2 does not model semaphores, so on the CPU `all_reduce` runs `lax.psum` and the kernel is
-tested compiled on 2 GPUs (tests/test_allreduce_gpu.py) against psum, bit for bit.
-
-Measured on 2 H200s (benchmarks/allreduce_kernel_gpu.py, BENCHMARKS.md): correct, but not faster,
-so the engine's default stays psum (`ModelConfig.tp_allreduce`). The kernel itself runs 6.3 µs, but
-XLA runs every Mosaic kernel that talks to peers behind a cross-device NCCL barrier kernel (3.7 µs)
-and a fusion that zeroes its semaphores, and a chain of them is launched from the host: 26.8 µs per
-call in a loop, against 20.0 µs for psum; Llama-3.1-8B TP2 decode 3.85 against 3.77 ms/token.
-`plgpu.CompilerParams(skip_device_barrier=True)` would drop the barrier, but then a peer's signal can
-land before the semaphores are zeroed; a barrier-free kernel needs semaphores and a mailbox that
-persist across calls (carried through the decode loop), which jax 0.11.2 does not allocate.
+Backend: Mosaic GPU (`plgpu.kernel`, remote refs, semaphores, `inline_mgpu` for the flag spin-waits);
+in one process with several GPUs XLA supplies the peers' buffer addresses (its collective metadata).
+Mosaic GPU's interpreter in jax 0.11.2 does not model semaphores or peer memory, so on the CPU
+`all_reduce` runs `lax.psum`, and both kernels are tested compiled on 2 H200s (tests/test_allreduce.py)
+against psum, bit for bit, also over 50 dependent calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -81,17 +76,11 @@ def _kernel(x_ref, y_ref, mailbox_ref, ready, arrived, *, axis: str, devices: in
 # XLA puts a cross-device barrier before every kernel above because the kernel's semaphores are
 # scratch that XLA zeroes at each call, and its mailbox is an output buffer that is someone else's
 # memory until the kernel starts. This variant takes both as inputs that the caller keeps alive across
-# calls (`PersistentBuffers`): state [4] int32 = (calls so far, `ready` flag, `arrived` flag, unused)
+# calls (`persistent_buffers`): state [4] int32 = (calls so far, `ready` flag, `arrived` flag, unused)
 # and mailbox [2, MAX_ELEMENTS]. Call k writes the epoch k+1 into a peer's flag and waits until its
 # own flag holds k+1, so a flag never needs resetting, and a peer that runs ahead cannot write into a
 # mailbox before this device's call k has started (it waits for `ready` = k+1 first). Two devices only.
-#
-# Measured on 2 H200s (BENCHMARKS.md): equal to psum bit for bit, also over 200 dependent calls, and
-# 22.4 µs per call in a loop against 25.5 µs for psum at [1, 4096] (27.0 / 26.5 at [8, 4096]). Not
-# wired into the engine: passed into the tensor-parallel decode (the buffers as shard_map arguments,
-# closed over by the looped layers) it hung, most likely because XLA copies the loop-invariant
-# buffers inside the decode's while loops, so they no longer persist and a peer's early flag store is
-# overwritten. Carrying them through the scan and the token loop (donated state) is the next step.
+# Every device must make the same sequence of calls on the same buffers (SPMD programs do).
 
 STATE_WORDS = 4
 _COUNT, _READY, _ARRIVED = 0, 1, 2
@@ -204,12 +193,36 @@ def all_reduce_kernel(x: jax.Array, axis: str, devices: int) -> jax.Array:
   return y.reshape(x.shape)
 
 
+_PERSISTENT: list[tuple[jax.Array, jax.Array]] = []  # (state, mailbox) shards set by `using_buffers`
+
+
+@contextlib.contextmanager
+def using_buffers(state: jax.Array, mailbox: jax.Array):
+  """While tracing inside this context, `all_reduce` on 2 devices uses the barrier-free kernel with
+  these shards of `persistent_buffers`. They must be arguments of the jitted program (a tensor-parallel
+  forward takes them with its params), not constants it closes over."""
+  _PERSISTENT.append((state, mailbox))
+  try:
+    yield
+  finally:
+    _PERSISTENT.pop()
+
+
+# The largest x (elements) the barrier-free kernel takes in `all_reduce`. Measured on 2 H200s at [B, 4096]
+# bf16: 22.4 against 25.5 µs for psum at 4096 elements, 27.0 against 26.5 at 32768 (BENCHMARKS.md); in
+# Llama-3.1-8B TP2 decode 3.54 against 3.97 ms/token at batch 1, 4.41 against 4.27 at batch 8. Set
+# between the two: the 8192 of a 70B row at batch 1 takes the kernel.
+PERSISTENT_MAX_ELEMENTS = 8192
+
+
 def all_reduce(x: jax.Array, axis: str) -> jax.Array:
-  """lax.psum(x, axis), by the one-shot kernel where it applies (a Hopper GPU, `fits(x)`, more than
-  one device on the axis) and by `lax.psum` elsewhere."""
-  devices = lax.axis_size(axis)
-  if devices > 1 and fits(x) and _on_hopper():
-    return all_reduce_kernel(x, axis, devices)
+  """lax.psum(x, axis), by the barrier-free kernel where it pays: inside `using_buffers`, on 2 Hopper
+  GPUs, for 16-bit x of at most PERSISTENT_MAX_ELEMENTS; by `lax.psum` everywhere else. (The kernel
+  behind XLA's barrier, `all_reduce_kernel`, is slower than psum at every size measured, so it is
+  never picked here.)"""
+  if (_PERSISTENT and lax.axis_size(axis) == 2 and fits(x) and x.size <= PERSISTENT_MAX_ELEMENTS
+          and _PERSISTENT[-1][1].dtype == x.dtype and _on_hopper()):
+    return all_reduce_persistent(x, axis, *_PERSISTENT[-1])
   return lax.psum(x, axis)
 
 

@@ -62,6 +62,25 @@ def _default_model_tp3() -> dict:
     return {"tokens_one": one, "tokens_tp": split, "text": tok.decode(split)}
 
 
+def _engine_freed(cfg) -> bool:
+    """A TP engine timed by `bench.time_engine` is freed once the caller drops it: time_engine caches
+    the compiled steps on the engine, not in a module-level WeakKeyDictionary whose values (closing
+    over the engine) kept every engine alive (a second 70B engine on 2 GPUs ran out of memory)."""
+    import gc
+    import weakref
+
+    from jaxdecode.bench import time_engine
+    from jaxdecode.decode import Engine
+    from jaxdecode.model import init_random
+
+    engine = Engine(init_random(cfg, seed=5), tp=2)
+    time_engine(engine, np.ones((1, 4), np.int32), context=0, steps=2)
+    alive = weakref.ref(engine)
+    del engine
+    gc.collect()
+    return alive() is None
+
+
 def worker(devices: int) -> dict:
     import jax
 
@@ -82,6 +101,7 @@ def worker(devices: int) -> dict:
             # the CPU: the dots stay XLA dots, no kernel)
             "gqa_inplace": _compare(gqa, 2, loop=True, generate=False, mode="inplace"),
             "random_in_place": _random_in_place(gqa, 2),
+            "engine_freed": _engine_freed(gqa),
         }
     mha = PRESETS["tiny-mha"]  # N 4, K 4, F 80, V 97 -> 100
     return {"mha_looped": _compare(mha, 4, loop=True), "mha_unrolled": _compare(mha, 4, loop=False, generate=False),
@@ -132,6 +152,10 @@ def test_tp_greedy_tokens_equal_one_device(results, devices, case):
 def test_default_model_on_3_devices_answers_like_one(results):
     r = results[4]["default_model_tp3"]
     assert r["tokens_tp"] == r["tokens_one"] and "Paris" in r["text"]
+
+
+def test_timed_tp_engine_is_freed(results):
+    assert results[2]["engine_freed"]
 
 
 def test_looped_tp_runs_the_layers_as_one_scan(results):
