@@ -44,6 +44,8 @@ TPS = "BENCHMARKS.md 2026-11-30 (results_tp_gpu.json, benchmarks/tp_gpu.py)"
 TPS2 = ("BENCHMARKS.md 2026-11-30 12:52 UTC, the current build (results_tp1_tp2_gpu.json: the mean of two "
         "best-of-3 runs of 64 steps)")
 TPS3 = "BENCHMARKS.md 2026-11-30 14:30 UTC, the current build (results_tp_gpu_1430.json, benchmarks/tp_gpu.py)"
+TPS4 = ("BENCHMARKS.md 2026-11-30 15:09-15:11 UTC, TP2 with the peer-to-peer all-reduce kernel "
+        "(results_allreduce_decode_gpu.json, benchmarks/allreduce_kernel_gpu.py)")
 A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
 # it, batch-1 rows cannot split the time between per-kernel overhead and M=1 bandwidth, and that split is
@@ -108,6 +110,12 @@ INPLACE_TP_ROWS = (
     GPURow("ours TP2, Llama-3.1-70B b1, 14:30 build", 21.29, "looped_inplace", 1, "report only", TPS3, context=1088,
            n_gpus=2, model="llama-3.1-70b"),
     GPURow("ours TP2, Llama-3.1-70B b8, 14:30 build", 23.486, "looped_inplace", 8, "report only", TPS3, context=1088,
+           n_gpus=2, model="llama-3.1-70b"),
+    # The all-reduce kernel instead of NCCL (the model still charges the measured psum latency for it).
+    GPURow("ours TP1, Llama-3.1-8B b1, 15:09 run", 4.822, "looped_inplace", 1, "report only", TPS4, context=1152),
+    GPURow("ours TP2 p2p kernel, Llama-3.1-8B b1", 3.56, "looped_inplace", 1, "report only", TPS4, context=1152,
+           n_gpus=2),
+    GPURow("ours TP2 p2p kernel, Llama-3.1-70B b1", 21.45, "looped_inplace", 1, "report only", TPS4, context=1088,
            n_gpus=2, model="llama-3.1-70b"),
 )
 # Published, another GPU: reported with the fitted constants, never fitted.
