@@ -144,7 +144,7 @@ class TPForward:
         # made once, they ride in `step_params`, so every jitted step gets the same arrays as arguments.
         self._comm = ()
         if (allreduce == "kernel" and tp == 2 and self.dtype in (jnp.bfloat16, jnp.float16)
-                and kernels_allreduce._on_hopper()):
+                and kernels_allreduce.on_hopper()):
             self._comm = kernels_allreduce.persistent_buffers(self.mesh, AXIS, self.dtype)
         self.loop_layers, self.mode = loop_layers, loop_mode
         local = nnx.eval_shape(lambda: Transformer(self.shard_cfg, dtype=dtype, rngs=nnx.Rngs(0)))

@@ -221,12 +221,13 @@ def all_reduce(x: jax.Array, axis: str) -> jax.Array:
   behind XLA's barrier, `all_reduce_kernel`, is slower than psum at every size measured, so it is
   never picked here.)"""
   if (_PERSISTENT and lax.axis_size(axis) == 2 and fits(x) and x.size <= PERSISTENT_MAX_ELEMENTS
-          and _PERSISTENT[-1][1].dtype == x.dtype and _on_hopper()):
+          and _PERSISTENT[-1][1].dtype == x.dtype and on_hopper()):
     return all_reduce_persistent(x, axis, *_PERSISTENT[-1])
   return lax.psum(x, axis)
 
 
 @functools.cache
-def _on_hopper() -> bool:
+def on_hopper() -> bool:
+  """Whether JAX's first device is a Hopper GPU (compute capability 9.0), where these kernels run."""
   device = jax.devices()[0]
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"

@@ -39,7 +39,7 @@ def _worker() -> dict:
     host = (np.asarray(x16[:2], np.float32) + np.asarray(x16[2:], np.float32)).astype(jnp.bfloat16).astype(np.float32)
     # The looping pass over a TP model whose layers call the kernel (traced only: Mosaic GPU kernels
     # do not lower on the CPU). The kernel applies where dim is a multiple of 128.
-    allreduce._on_hopper = lambda: True
+    allreduce.on_hopper = lambda: True
     cfg = get_preset("tiny-gqa").replace(dim=128, head_dim=16)
     tp = TPForward.random(cfg, 2, dtype=jnp.bfloat16, loop_mode="inplace", allreduce="kernel")
     plan = tp._plan(1, 1, 64, jnp.bfloat16)
