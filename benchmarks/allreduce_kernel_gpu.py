@@ -1,6 +1,6 @@
 """The one-shot all-reduce kernels (`kernels.allreduce`) against XLA's psum (NCCL) on 2 GPUs, then in decode.
 
-    python benchmarks/allreduce_kernel_gpu.py [--no-decode] [--decode-only] [--70b]
+    python benchmarks/allreduce_kernel_gpu.py [--no-decode] [--decode-only] [--batch1] [--70b [--70b-kernel-only]]
         # 2 Hopper GPUs; table last, JSON to $OUT/allreduce_kernel_gpu.json
 
 Implementations: "psum"; "kernel" (`all_reduce_kernel`, behind XLA's cross-device barrier);
@@ -142,7 +142,7 @@ def decode(out):
             engine = Engine(model)
         else:
             engine = Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace", **kw))
-        for b in (1, 8):
+        for b in ((1,) if "--batch1" in sys.argv else (1, 8)):
             prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, 16))
             time_engine(engine, prompts, context=1024, steps=32)  # compile
             runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(2)]
@@ -173,7 +173,8 @@ def decode_70b(out):
     cfg = get_preset("llama-3.1-70b")
     ceiling = out.get("read_ceiling_gb_s") or read_ceiling_gb_s(4)
     tokens = {}
-    for name in ("kernel", "psum"):
+    names = ("kernel",) if "--70b-kernel-only" in sys.argv else ("kernel", "psum")
+    for name in names:
         engine = Engine(None, tp=TPForward.random(cfg, 2, dtype=jnp.bfloat16, loop_mode="inplace", allreduce=name))
         for b in (1,):  # at batch 8 ([8, 8192]) all_reduce runs psum either way
             prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, 16))
@@ -189,7 +190,7 @@ def decode_70b(out):
             faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
         engine = None
         gc.collect()
-    for b in (1,):
+    for b in (1,) if len(names) == 2 else ():
         out["decode"].append({"variant": "70b_tokens_equal", "batch": b,
                               "equal": bool(np.array_equal(tokens[("psum", b)], tokens[("kernel", b)]))})
 

@@ -76,19 +76,23 @@ def _kernel(x_ref, y_ref, mailbox_ref, ready, arrived, *, axis: str, devices: in
 # XLA puts a cross-device barrier before every kernel above because the kernel's semaphores are
 # scratch that XLA zeroes at each call, and its mailbox is an output buffer that is someone else's
 # memory until the kernel starts. This variant takes both as inputs that the caller keeps alive across
-# calls (`persistent_buffers`): state [4] int32 = (calls so far, `ready` flag, `arrived` flag, unused)
-# and mailbox [2, MAX_ELEMENTS]. Call k writes the epoch k+1 into a peer's flag and waits until its
-# own flag holds k+1, so a flag never needs resetting, and a peer that runs ahead cannot write into a
-# mailbox before this device's call k has started (it waits for `ready` = k+1 first). Two devices only.
-# Every device must make the same sequence of calls on the same buffers (SPMD programs do).
+# calls (`persistent_buffers`): state [4] int32 = (calls so far, `arrived` flag, unused, unused) and a
+# mailbox [4, MAX_ELEMENTS] of two sets of two slots (row 2·set + device); call k uses set k % 2.
+# Call k writes its x into its slot of the set on both devices, then the epoch k+1 into the peer's
+# `arrived` flag, and waits until its own flag is at least k+1. Flags only grow, so they never need
+# resetting. A device can run at most one call ahead of its peer (its call k+1 waits for the epoch
+# k+2, which the peer writes in its own call k+1), so it writes only into the other set while the
+# peer still reads this one: no handshake before the writes. Two devices only. Every device must make the same sequence of calls on
+# the same buffers (SPMD programs do).
 
 STATE_WORDS = 4
-_COUNT, _READY, _ARRIVED = 0, 1, 2
+MAILBOX_ROWS = 4
+_COUNT, _ARRIVED = 0, 1
 
 
-def _exchange(ctx, count_ref, own_flag, peer_flag, *, bump: bool):
+def _exchange(ctx, count_ref, own_flag, peer_flag):
   """One thread: epoch = calls so far + 1; store it into the peer's flag (release, system scope); spin
-  until our own flag holds it (acquire); with `bump`, store the epoch as the new call count. A
+  until our own flag is at least the epoch (acquire); store the epoch as the new call count. A
   warpgroup barrier before (everyone's stores are done) and after (everyone sees what arrived)."""
   del ctx
   i32 = ir.IntegerType.get_signless(32)
@@ -103,62 +107,60 @@ def _exchange(ctx, count_ref, own_flag, peer_flag, *, bump: bool):
     with ir.InsertionPoint(spin.before.blocks.append()):
       seen = mgpu_utils.inline_ptx("ld.acquire.sys.global.b32 $0, [$1];", mgpu_utils.memref_ptr(own_flag),
                                    result_types=i32, has_side_effects=True)
-      scf.condition(arith.cmpi(arith.CmpIPredicate.ne, seen, epoch), [])
+      scf.condition(arith.cmpi(arith.CmpIPredicate.ult, seen, epoch), [])
     with ir.InsertionPoint(spin.after.blocks.append()):
       scf.yield_([])
-    if bump:
-      mgpu_utils.inline_ptx("st.relaxed.gpu.global.b32 [$0], $1;", mgpu_utils.memref_ptr(count_ref), epoch,
-                            has_side_effects=True)
+    mgpu_utils.inline_ptx("st.relaxed.gpu.global.b32 [$0], $1;", mgpu_utils.memref_ptr(count_ref), epoch,
+                          has_side_effects=True)
   mgpu_utils.warpgroup_barrier()
 
 
-_exchange_flags = {bump: plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(functools.partial(_exchange, bump=bump))
-                   for bump in (False, True)}
+_exchange_flags = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(_exchange)
 
 
 def _persistent_kernel(x_ref, state_ref, mailbox_ref, y_ref, *, axis: str, chunk: int):
-  """x_ref, y_ref [N]; state_ref [4] int32 and mailbox_ref [2, MAX] persist across calls (inputs)."""
+  """x_ref, y_ref [N]; state_ref [4] int32 and mailbox_ref [4, MAX] persist across calls (inputs)."""
   me = lax.axis_index(axis)
   peer = 1 - me
+  first = 2 * lax.rem(state_ref[_COUNT] + 1, 2)  # this call's set: rows first, first + 1
   word = lambda i: state_ref.at[pl.ds(i, 1)]
-  _exchange_flags[False](word(_COUNT), word(_READY), plgpu.remote_ref(word(_READY), peer))
   size = x_ref.shape[0]
   for start in range(0, size, chunk):
     x = x_ref[pl.ds(start, chunk)]
-    mailbox_ref[me, pl.ds(start, chunk)] = x
-    plgpu.remote_ref(mailbox_ref.at[me, pl.ds(start, chunk)], peer)[...] = x
-  _exchange_flags[True](word(_COUNT), word(_ARRIVED), plgpu.remote_ref(word(_ARRIVED), peer))
+    mailbox_ref[first + me, pl.ds(start, chunk)] = x
+    plgpu.remote_ref(mailbox_ref.at[first + me, pl.ds(start, chunk)], peer)[...] = x
+  _exchange_flags(word(_COUNT), word(_ARRIVED), plgpu.remote_ref(word(_ARRIVED), peer))
   for start in range(0, size, chunk):
     part = pl.ds(start, chunk)
-    total = mailbox_ref[0, part].astype(jnp.float32) + mailbox_ref[1, part].astype(jnp.float32)
+    total = mailbox_ref[first, part].astype(jnp.float32) + mailbox_ref[first + 1, part].astype(jnp.float32)
     y_ref[part] = total.astype(y_ref.dtype)
 
 
 def persistent_buffers(mesh, axis: str, dtype) -> tuple[jax.Array, jax.Array]:
   """Zeroed (state, mailbox) for `all_reduce_persistent` on a 1-D mesh of 2 devices, sharded over
   `axis`: keep them alive and pass the same arrays to every call (inside shard_map each device sees
-  state [4] and mailbox [2, MAX_ELEMENTS])."""
+  state [4] and mailbox [4, MAX_ELEMENTS])."""
   from jax.sharding import NamedSharding, PartitionSpec
 
   sharding = NamedSharding(mesh, PartitionSpec(axis))
   n = mesh.shape[axis]
   state = jax.device_put(jnp.zeros((n * STATE_WORDS,), jnp.int32), sharding)
-  mailbox = jax.device_put(jnp.zeros((n * 2, MAX_ELEMENTS), dtype), sharding)
+  mailbox = jax.device_put(jnp.zeros((n * MAILBOX_ROWS, MAX_ELEMENTS), dtype), sharding)
   return state, mailbox
 
 
 def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: jax.Array) -> jax.Array:
   """Σ over the 2-device mesh axis `axis` of x, by the barrier-free kernel (no XLA barrier, no
-  zeroing): state [4] int32 and mailbox [2, MAX_ELEMENTS] are this device's shards of
+  zeroing): state [4] int32 and mailbox [4, MAX_ELEMENTS] are this device's shards of
   `persistent_buffers`, the same arrays at every call. Inside shard_map on Hopper GPUs."""
   if not fits(x):
     raise ValueError(f"the all-reduce kernel takes 16-bit floats, a multiple of 128 and at most "
                      f"{MAX_ELEMENTS} elements; got {x.dtype} of shape {x.shape}")
-  if (lax.axis_size(axis) != 2 or state.shape != (STATE_WORDS,) or mailbox.shape != (2, MAX_ELEMENTS)
+  if (lax.axis_size(axis) != 2 or state.shape != (STATE_WORDS,) or mailbox.shape != (MAILBOX_ROWS, MAX_ELEMENTS)
           or mailbox.dtype != x.dtype):
     raise ValueError(f"all_reduce_persistent runs on 2 devices with state [{STATE_WORDS}] and a mailbox "
-                     f"[2, {MAX_ELEMENTS}] of x's dtype; got {lax.axis_size(axis)} devices, {state.shape}, "
-                     f"{mailbox.dtype}{list(mailbox.shape)} for {x.dtype}")
+                     f"[{MAILBOX_ROWS}, {MAX_ELEMENTS}] of x's dtype; got {lax.axis_size(axis)} devices, "
+                     f"{state.shape}, {mailbox.dtype}{list(mailbox.shape)} for {x.dtype}")
   flat = x.reshape(-1)
   chunk = next(c for c in (_CHUNK, 2048, 1024, 512, 256, 128) if flat.size % c == 0)
   y = plgpu.kernel(
