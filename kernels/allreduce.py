@@ -211,9 +211,10 @@ def using_buffers(state: jax.Array, mailbox: jax.Array):
 
 
 # The largest x (elements) the barrier-free kernel takes in `all_reduce`. Measured on 2 H200s at [B, 4096]
-# bf16: 22.4 against 25.5 µs for psum at 4096 elements, 27.0 against 26.5 at 32768 (BENCHMARKS.md); in
-# Llama-3.1-8B TP2 decode 3.54 against 3.97 ms/token at batch 1, 4.41 against 4.27 at batch 8. Set
-# between the two: the 8192 of a 70B row at batch 1 takes the kernel.
+# bf16 (its first, two-handshake version, BENCHMARKS.md): 22.4 against 25.5 µs for psum at 4096 elements,
+# 27.0 against 26.5 at 32768; in Llama-3.1-8B TP2 decode 3.54 against 3.97 ms/token at batch 1, 4.41
+# against 4.27 at batch 8. Set between the two: the 8192 of a 70B row at batch 1 takes the kernel
+# (21.1 ms/token with it, one-handshake version).
 PERSISTENT_MAX_ELEMENTS = 8192
 
 
