@@ -82,7 +82,9 @@ def _kernel(x_ref, y_ref, mailbox_ref, ready, arrived, *, axis: str, devices: in
 # `arrived` flag, and waits until its own flag is at least k+1. Flags only grow, so they never need
 # resetting. A device can run at most one call ahead of its peer (its call k+1 waits for the epoch
 # k+2, which the peer writes in its own call k+1), so it writes only into the other set while the
-# peer still reads this one: no handshake before the writes. Two devices only. Every device must make the same sequence of calls on
+# peer still reads this one: no handshake before the writes. Two devices only. Known limit: the count
+# is compared unsigned, so after 2^32 calls on one pair of buffers (about 67 M tokens of an 8B model at
+# 64 calls a token) the wrap breaks the wait; a signed difference would fix it (untested on a GPU). Every device must make the same sequence of calls on
 # the same buffers (SPMD programs do).
 
 STATE_WORDS = 4
