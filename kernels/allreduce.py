@@ -82,10 +82,10 @@ def _kernel(x_ref, y_ref, mailbox_ref, ready, arrived, *, axis: str, devices: in
 # `arrived` flag, and waits until its own flag is at least k+1. Flags only grow, so they never need
 # resetting. A device can run at most one call ahead of its peer (its call k+1 waits for the epoch
 # k+2, which the peer writes in its own call k+1), so it writes only into the other set while the
-# peer still reads this one: no handshake before the writes. Two devices only. Known limit: the count
-# is compared unsigned, so after 2^32 calls on one pair of buffers (about 67 M tokens of an 8B model at
-# 64 calls a token) the wrap breaks the wait; a signed difference would fix it (untested on a GPU). Every device must make the same sequence of calls on
-# the same buffers (SPMD programs do).
+# peer still reads this one: no handshake before the writes. Two devices only. Every device must make
+# the same sequence of calls on the same buffers (SPMD programs do). Known limit: the count is compared
+# unsigned, so after 2^32 calls on one pair of buffers (about 67 M tokens of an 8B model at 64 calls a
+# token) the wrap breaks the wait; a signed difference would fix it (untested on a GPU).
 
 STATE_WORDS = 4
 MAILBOX_ROWS = 4
@@ -155,16 +155,12 @@ def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: ja
   """Σ over the 2-device mesh axis `axis` of x, by the barrier-free kernel (no XLA barrier, no
   zeroing): state [4] int32 and mailbox [4, MAX_ELEMENTS] are this device's shards of
   `persistent_buffers`, the same arrays at every call. Inside shard_map on Hopper GPUs."""
-  if not fits(x):
-    raise ValueError(f"the all-reduce kernel takes 16-bit floats, a multiple of 128 and at most "
-                     f"{MAX_ELEMENTS} elements; got {x.dtype} of shape {x.shape}")
+  flat, chunk = _flat_chunks(x)
   if (lax.axis_size(axis) != 2 or state.shape != (STATE_WORDS,) or mailbox.shape != (MAILBOX_ROWS, MAX_ELEMENTS)
           or mailbox.dtype != x.dtype):
     raise ValueError(f"all_reduce_persistent runs on 2 devices with state [{STATE_WORDS}] and a mailbox "
                      f"[{MAILBOX_ROWS}, {MAX_ELEMENTS}] of x's dtype; got {lax.axis_size(axis)} devices, "
                      f"{state.shape}, {mailbox.dtype}{list(mailbox.shape)} for {x.dtype}")
-  flat = x.reshape(-1)
-  chunk = next(c for c in (_CHUNK, 2048, 1024, 512, 256, 128) if flat.size % c == 0)
   y = plgpu.kernel(
       functools.partial(_persistent_kernel, axis=axis, chunk=chunk),
       out_type=jax.ShapeDtypeStruct(flat.shape, x.dtype),
@@ -179,14 +175,19 @@ def fits(x: jax.Array) -> bool:
   return (x.dtype in (jnp.bfloat16, jnp.float16) and x.size % 128 == 0 and x.size <= MAX_ELEMENTS)
 
 
-def all_reduce_kernel(x: jax.Array, axis: str, devices: int) -> jax.Array:
-  """Σ over the mesh axis `axis` (of size `devices`) of x, by the Mosaic GPU kernel. Call it inside
-  shard_map on Hopper GPUs; x must satisfy `fits`."""
+def _flat_chunks(x: jax.Array) -> tuple[jax.Array, int]:
+  """x flattened and the elements each kernel step moves; a clear error where x does not `fit`."""
   if not fits(x):
     raise ValueError(f"the all-reduce kernel takes 16-bit floats, a multiple of 128 and at most "
                      f"{MAX_ELEMENTS} elements; got {x.dtype} of shape {x.shape}")
   flat = x.reshape(-1)
-  chunk = next(c for c in (_CHUNK, 2048, 1024, 512, 256, 128) if flat.size % c == 0)
+  return flat, next(c for c in (_CHUNK, 2048, 1024, 512, 256, 128) if flat.size % c == 0)
+
+
+def all_reduce_kernel(x: jax.Array, axis: str, devices: int) -> jax.Array:
+  """Σ over the mesh axis `axis` (of size `devices`) of x, by the Mosaic GPU kernel. Call it inside
+  shard_map on Hopper GPUs; x must satisfy `fits`."""
+  flat, chunk = _flat_chunks(x)
   y, _ = plgpu.kernel(
       functools.partial(_kernel, axis=axis, devices=devices, chunk=chunk),
       out_type=(jax.ShapeDtypeStruct(flat.shape, x.dtype),
