@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, l2_prefetch, rms_norm
+from kernels import decode_attention, dispatch, flat_gemm, flat_gemm_stream, rms_norm
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
@@ -262,39 +262,9 @@ def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool 
     return [y.reshape(x.shape)]
 
 
-# Bytes of weights each of the model's prefetch markers asks to be read into L2 ahead of its projection
-# (`kernel_prefetch`): None is the whole weight, 0 (or a missing site) none. Read when a plan is traced.
-PREFETCH_BYTES: dict[str, int | None] = {}
-
-
-def kernel_prefetch(x, *weights, site: str, next_layer: bool = False, interpret: bool = False):
-    """The `stacked_calls["prefetch_<site>"]` hooks: the model's prefetch markers (`model.prefetch_o`,
-    ...) as one `kernels.l2_prefetch` launch that starts reading the layer's rows of `weights` (the
-    next projection's) into L2 and passes x through. With `next_layer`, the rows of layer i + 1 (the
-    last layer prefetches its own). Returns [x] or None (the marker is then x as written): for sites
-    PREFETCH_BYTES leaves off, for weights that are not refs of stacks, x that is too large (prefill),
-    and, without `interpret`, off Hopper."""
-    limit = PREFETCH_BYTES.get(site, 0)
-    if limit == 0 or isinstance(x, StackedRef) or not all(isinstance(w, StackedRef) for w in weights):
-        return None
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.size > l2_prefetch.MAX_COPY_ELEMENTS or flat.size % 128 or not weights:
-        return None
-    if not interpret and not allreduce.on_hopper():  # TMA prefetches: Hopper
-        return None
-    stacks = [w.stack for w in weights]
-    layer = weights[0].index
-    if next_layer:
-        layer = jnp.minimum(layer + 1, stacks[0].shape[0] - 1)
-    y = l2_prefetch.prefetch_l2(flat, stacks, layer, limit_bytes=limit, interpret=interpret)
-    return [y.reshape(x.shape)]
-
-
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
 # `kernel_attend` is not among them: on the H200 it measured 0.5% (batch 1) to 1.5% (batch 8) slower per token.
-KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm,
-                **{f"prefetch_{site}": functools.partial(kernel_prefetch, site=site) for site in ("o", "mlp", "down")},
-                "prefetch_next_qkv": functools.partial(kernel_prefetch, site="next_qkv", next_layer=True)}
+KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm}
 
 
 def _spec(x) -> jax.ShapeDtypeStruct:

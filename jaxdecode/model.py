@@ -73,25 +73,6 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x.dtype)
 
 
-def _prefetch_marker(site: str, doc: str):
-    """A jitted identity on x named `prefetch_<site>`: a place in the layer where the in-place looped
-    decode may start reading the weights passed along into the GPU's L2 cache before the projection
-    that needs them (`looped_model.kernel_prefetch`, `kernels.l2_prefetch`). Elsewhere it is x."""
-    def marker(x: Array, *weights: Array) -> Array:
-        del weights
-        return x
-    marker.__name__ = marker.__qualname__ = f"prefetch_{site}"
-    marker.__doc__ = doc
-    return jax.jit(marker)
-
-
-prefetch_o = _prefetch_marker("o", "x; marks that o_proj's weight is needed next, after attention.")
-prefetch_mlp = _prefetch_marker("mlp", "x; marks that gate_proj's and up_proj's weights come next.")
-prefetch_down = _prefetch_marker("down", "x; marks that down_proj's weight comes next.")
-prefetch_next_qkv = _prefetch_marker(
-    "next_qkv", "x; marks that the next layer's q, k, v weights come next (these weights' next row).")
-
-
 class Linear(nnx.Module):
     """y = x @ weight (+ bias); weight [in, out]."""
 
@@ -144,14 +125,12 @@ class Attention(nnx.Module):
         positions: Array,  # [B, T] int32, position of each query token
         cos: Array,  # [B, T, H]
         sin: Array,  # [B, T, H]
-        next_weights: tuple[Array, ...] = (),  # weights of the projection after this block (prefetch hint)
     ) -> tuple[Array, Array, Array]:
         cfg = self.cfg
         b, t, _ = x.shape
         projs = (self.q_proj, self.k_proj, self.v_proj)
         biases = [p.bias[...] for p in projs] if cfg.qkv_bias else []
         q, k, v = qkv(x, *(p.weight[...] for p in projs), *biases)  # [B, T, N*H], [B, T, K*H] x 2
-        q = prefetch_o(q, self.o_proj.weight[...])
         q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)  # [B, T, N, H]
         k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
         v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
@@ -160,8 +139,6 @@ class Attention(nnx.Module):
                                        positions)
         out = out.reshape(b, t, cfg.q_dim)  # [B, T, N*H]
         out = self.o_proj(out)  # [B, T, D]
-        if next_weights:  # the MLP's gate and up weights: reads that can start during the all-reduce
-            out = prefetch_mlp(out, *next_weights)
         if cfg.tp_axis is not None:  # tensor parallel: each device's heads give a partial sum
             out = tp_sum(out, cfg)
         return out, k_cache, v_cache
@@ -236,11 +213,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(cfg.ffn_dim, cfg.dim, dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x: Array, next_weights: tuple[Array, ...] = ()) -> Array:  # x: [B, T, D]
-        h = swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...])  # [B, T, F]
-        out = self.down_proj(prefetch_down(h, self.down_proj.weight[...]))  # [B, T, D]
-        if next_weights:  # q, k, v weights whose next layer's rows come next (prefetch hint)
-            out = prefetch_next_qkv(out, *next_weights)
+    def __call__(self, x: Array) -> Array:  # x: [B, T, D]
+        out = self.down_proj(swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...]))  # [B, T, D]
         if self.cfg.tp_axis is not None:  # tensor parallel: each device's F/tp columns give a partial sum
             out = tp_sum(out, self.cfg)
         return out
@@ -254,14 +228,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, k_cache, v_cache, positions, cos, sin):  # x: [B, T, D]; caches [B, S, K, H]
-        mlp, attn_block = self.mlp, self.self_attn
         with jax.named_scope("attention"):
-            attn, k_cache, v_cache = attn_block(self.input_layernorm(x), k_cache, v_cache, positions, cos, sin,
-                                                next_weights=(mlp.gate_proj.weight[...], mlp.up_proj.weight[...]))
+            attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, positions, cos, sin)
             x = x + attn
         with jax.named_scope("mlp"):
-            qkv_weights = tuple(p.weight[...] for p in (attn_block.q_proj, attn_block.k_proj, attn_block.v_proj))
-            x = x + mlp(self.post_attention_layernorm(x), next_weights=qkv_weights)
+            x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
 
 
