@@ -4,9 +4,9 @@ Parameter names follow the Hugging Face checkpoint names (`embed_tokens`, `layer
 `mlp.gate_proj`, `input_layernorm`, ...) so that loaders need no table. One difference: linear weights
 are stored as [in, out] (x @ weight), the transpose of the checkpoint's [out, in].
 
-Tensor parallelism (`jaxdecode.tp`) runs this same model on a per-device shard config; its
-`tp_axis` makes attention psum after o_proj and the MLP psum after down_proj (off by default), through
-`tp_sum`.
+Tensor parallelism (`jaxdecode.tp`) runs this same model on a per-device shard config; with its
+`tp_axis` set, attention and the MLP each return this device's partial sum (its heads, its ffn
+columns), and the decoder layer all-reduces it into the residual stream (`tp_residual_add`).
 
 The layer loop is a plain Python loop. Each layer is applied through `decoder_layer_call`, one
 module-level `jax.jit` function, so every layer call appears in the jaxpr as a call of the same jaxpr:
@@ -26,12 +26,15 @@ from kernels import allreduce
 Array = jax.Array
 
 
-def tp_sum(x: Array, cfg: ModelConfig) -> Array:
-    """The tensor-parallel all-reduce of a partial sum over `cfg.tp_axis`: XLA's psum, or with
-    cfg.tp_allreduce == "kernel" `kernels.allreduce.all_reduce` (a peer-to-peer kernel where it pays)."""
+def tp_residual_add(x: Array, block_out: Array, cfg: ModelConfig) -> Array:
+    """x + the block's output. Under tensor parallelism (cfg.tp_axis set) `block_out` is this device's
+    partial sum and is all-reduced first: by XLA's psum, or with cfg.tp_allreduce == "kernel" by
+    `kernels.allreduce.all_reduce`, a peer-to-peer kernel that also does the add where it pays."""
+    if cfg.tp_axis is None:
+        return x + block_out
     if cfg.tp_allreduce == "kernel":
-        return allreduce.all_reduce(x, cfg.tp_axis)
-    return jax.lax.psum(x, cfg.tp_axis)
+        return allreduce.all_reduce(block_out, cfg.tp_axis, residual=x)
+    return x + jax.lax.psum(block_out, cfg.tp_axis)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -138,9 +141,7 @@ class Attention(nnx.Module):
         out, k_cache, v_cache = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache,
                                        positions)
         out = out.reshape(b, t, cfg.q_dim)  # [B, T, N*H]
-        out = self.o_proj(out)  # [B, T, D]
-        if cfg.tp_axis is not None:  # tensor parallel: each device's heads give a partial sum
-            out = tp_sum(out, cfg)
+        out = self.o_proj(out)  # [B, T, D]; under tensor parallelism a partial sum over this device's heads
         return out, k_cache, v_cache
 
 
@@ -214,14 +215,13 @@ class MLP(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x: Array) -> Array:  # x: [B, T, D]
-        out = self.down_proj(swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...]))  # [B, T, D]
-        if self.cfg.tp_axis is not None:  # tensor parallel: each device's F/tp columns give a partial sum
-            out = tp_sum(out, self.cfg)
-        return out
+        # [B, T, D]; under tensor parallelism a partial sum over this device's F/tp columns
+        return self.down_proj(swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...]))
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
@@ -230,9 +230,9 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, k_cache, v_cache, positions, cos, sin):  # x: [B, T, D]; caches [B, S, K, H]
         with jax.named_scope("attention"):
             attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, positions, cos, sin)
-            x = x + attn
+            x = tp_residual_add(x, attn, self.cfg)
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = tp_residual_add(x, self.mlp(self.post_attention_layernorm(x)), self.cfg)
         return x, k_cache, v_cache
 
 

@@ -26,6 +26,10 @@ in one process with several GPUs XLA supplies the peers' buffer addresses (its c
 Mosaic GPU's interpreter in jax 0.11.2 does not model semaphores or peer memory, so on the CPU
 `all_reduce` runs `lax.psum`, and both kernels are tested compiled on 2 H200s (tests/test_allreduce.py)
 against psum, bit for bit, also over 50 dependent calls.
+
+`all_reduce(x, axis, residual=r)` is r + psum(x): the barrier-free kernel then also does the residual
+add that follows each tensor-parallel block (rounded exactly as the two ops round), one XLA kernel
+fewer per all-reduce.
 """
 
 from __future__ import annotations
@@ -120,8 +124,10 @@ def _exchange(ctx, count_ref, own_flag, peer_flag):
 _exchange_flags = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(_exchange)
 
 
-def _persistent_kernel(x_ref, state_ref, mailbox_ref, y_ref, *, axis: str, chunk: int):
-  """x_ref, y_ref [N]; state_ref [4] int32 and mailbox_ref [4, MAX] persist across calls (inputs)."""
+def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: int):
+  """x_ref [N]; state_ref [4] int32 and mailbox_ref [4, MAX] persist across calls (inputs); refs: the
+  residual r [N] when given, then the output y [N] = Σ x (+ r), rounded as `r + psum(x)` rounds."""
+  *residual, y_ref = refs
   me = lax.axis_index(axis)
   peer = 1 - me
   first = 2 * lax.rem(state_ref[_COUNT] + 1, 2)  # this call's set: rows first, first + 1
@@ -135,7 +141,10 @@ def _persistent_kernel(x_ref, state_ref, mailbox_ref, y_ref, *, axis: str, chunk
   for start in range(0, size, chunk):
     part = pl.ds(start, chunk)
     total = mailbox_ref[first, part].astype(jnp.float32) + mailbox_ref[first + 1, part].astype(jnp.float32)
-    y_ref[part] = total.astype(y_ref.dtype)
+    total = total.astype(y_ref.dtype)  # the psum's rounding
+    if residual:  # then the residual add's: one rounding of r + sum, as XLA adds two bf16 values
+      total = (residual[0][part].astype(jnp.float32) + total.astype(jnp.float32)).astype(y_ref.dtype)
+    y_ref[part] = total
 
 
 def persistent_buffers(mesh, axis: str, dtype) -> tuple[jax.Array, jax.Array]:
@@ -151,8 +160,10 @@ def persistent_buffers(mesh, axis: str, dtype) -> tuple[jax.Array, jax.Array]:
   return state, mailbox
 
 
-def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: jax.Array) -> jax.Array:
-  """Σ over the 2-device mesh axis `axis` of x, by the barrier-free kernel (no XLA barrier, no
+def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: jax.Array,
+                          residual: jax.Array | None = None) -> jax.Array:
+  """Σ over the 2-device mesh axis `axis` of x (plus `residual`, of x's shape and dtype, when given:
+  the block's residual add in the same kernel), by the barrier-free kernel (no XLA barrier, no
   zeroing): state [4] int32 and mailbox [4, MAX_ELEMENTS] are this device's shards of
   `persistent_buffers`, the same arrays at every call. Inside shard_map on Hopper GPUs."""
   flat, chunk = _flat_chunks(x)
@@ -161,12 +172,16 @@ def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: ja
     raise ValueError(f"all_reduce_persistent runs on 2 devices with state [{STATE_WORDS}] and a mailbox "
                      f"[{MAILBOX_ROWS}, {MAX_ELEMENTS}] of x's dtype; got {lax.axis_size(axis)} devices, "
                      f"{state.shape}, {mailbox.dtype}{list(mailbox.shape)} for {x.dtype}")
+  if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    raise ValueError(f"the residual must have x's shape and dtype {x.dtype}{list(x.shape)}; got "
+                     f"{residual.dtype}{list(residual.shape)}")
+  extra = () if residual is None else (residual.reshape(-1),)
   y = plgpu.kernel(
       functools.partial(_persistent_kernel, axis=axis, chunk=chunk),
       out_type=jax.ShapeDtypeStruct(flat.shape, x.dtype),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                            skip_device_barrier=True),
-  )(flat, state, mailbox)
+  )(flat, state, mailbox, *extra)
   return y.reshape(x.shape)
 
 
@@ -221,15 +236,18 @@ def using_buffers(state: jax.Array, mailbox: jax.Array):
 PERSISTENT_MAX_ELEMENTS = 8192
 
 
-def all_reduce(x: jax.Array, axis: str) -> jax.Array:
-  """lax.psum(x, axis), by the barrier-free kernel where it pays: inside `using_buffers`, on 2 Hopper
-  GPUs, for 16-bit x of at most PERSISTENT_MAX_ELEMENTS; by `lax.psum` everywhere else. (The kernel
-  behind XLA's barrier, `all_reduce_kernel`, is slower than psum at every size measured, so it is
-  never picked here.)"""
+def all_reduce(x: jax.Array, axis: str, residual: jax.Array | None = None) -> jax.Array:
+  """lax.psum(x, axis) (plus `residual` when given, the residual add that follows a block's
+  all-reduce), by the barrier-free kernel where it pays: inside `using_buffers`, on 2 Hopper GPUs,
+  for 16-bit x of at most PERSISTENT_MAX_ELEMENTS (with the residual added in the kernel: one launch
+  fewer); by `lax.psum` (then the add) everywhere else. (The kernel behind XLA's barrier,
+  `all_reduce_kernel`, is slower than psum at every size measured, so it is never picked here.)"""
   if (_PERSISTENT and lax.axis_size(axis) == 2 and fits(x) and x.size <= PERSISTENT_MAX_ELEMENTS
-          and _PERSISTENT[-1][1].dtype == x.dtype and on_hopper()):
-    return all_reduce_persistent(x, axis, *_PERSISTENT[-1])
-  return lax.psum(x, axis)
+          and _PERSISTENT[-1][1].dtype == x.dtype and on_hopper()
+          and (residual is None or (residual.shape, residual.dtype) == (x.shape, x.dtype))):
+    return all_reduce_persistent(x, axis, *_PERSISTENT[-1], residual=residual)
+  total = lax.psum(x, axis)
+  return total if residual is None else residual + total
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""The tensor-parallel all-reduce (`kernels.allreduce`, `model.tp_sum`): against lax.psum and the host sum.
+"""The tensor-parallel all-reduce (`kernels.allreduce`, `model.tp_residual_add`): against lax.psum and the host sum.
 
 On 2 Hopper GPUs (the device machine) both one-shot Mosaic GPU kernels (behind XLA's barrier, and
 barrier-free with persistent flags) run compiled and must equal psum bit for bit, on both devices,
@@ -37,6 +37,9 @@ def _worker() -> dict:
                                                       check_vma=False))(x16), np.float32)
     got, ref = run(lambda v: allreduce.all_reduce(v, AXIS)), run(lambda v: jax.lax.psum(v, AXIS))
     host = (np.asarray(x16[:2], np.float32) + np.asarray(x16[2:], np.float32)).astype(jnp.bfloat16).astype(np.float32)
+    # with a residual: r + psum(x), r = x / 4 (exact in bf16), against the host's two roundings
+    with_residual = run(lambda v: allreduce.all_reduce(v, AXIS, residual=v * jnp.asarray(0.25, v.dtype)))
+    host_residual = (np.asarray(x16[:2], np.float32) / 4 + host).astype(jnp.bfloat16).astype(np.float32)
     # The looping pass over a TP model whose layers call the kernel (traced only: Mosaic GPU kernels
     # do not lower on the CPU). The kernel applies where dim is a multiple of 128.
     allreduce.on_hopper = lambda: True
@@ -47,6 +50,7 @@ def _worker() -> dict:
     step_params = tp.step_params  # the weights and the barrier-free kernel's persistent buffers
     step = str(jax.make_jaxpr(tp.forward)(step_params, tokens, tokens, tp.new_cache(1, 64, jnp.bfloat16)))
     return {"equal_psum": bool(np.array_equal(got, ref)), "equal_host": bool(np.array_equal(got[:2], host)),
+            "residual_equal_host": bool(np.array_equal(with_residual[:2], host_residual)),
             "devices_equal": bool(np.array_equal(got[:2], got[2:])),
             "runs": [r.length for r in plan.report.runs], "layers": cfg.n_layers,
             "kernels_in_step": step.count("mpmd_map")}
@@ -72,11 +76,12 @@ def worker():
 
 def test_cpu_falls_back_to_psum(worker):
     assert worker["equal_psum"] and worker["equal_host"] and worker["devices_equal"]
+    assert worker["residual_equal_host"]
 
 
 def test_layers_calling_the_kernel_still_loop(worker):
-    """One scan over all layers, whose body holds the kernel twice (after o_proj and down_proj); the
-    embedding's psum stays a psum."""
+    """One scan over all layers, whose body holds the kernel twice (after o_proj and down_proj, each
+    with the residual add); the embedding's psum stays a psum."""
     assert worker["runs"] == [worker["layers"]]
     assert worker["kernels_in_step"] == 2, worker
 
@@ -104,20 +109,23 @@ def _hopper_pair() -> bool:
 
 
 @pytest.mark.skipif(not _hopper_pair(), reason="needs 2 Hopper GPUs (the kernel is Mosaic GPU with remote refs)")
-@pytest.mark.parametrize("impl", ["barrier", "persistent"])
+@pytest.mark.parametrize("impl", ["barrier", "persistent", "persistent_residual"])
 @pytest.mark.parametrize("batch", [1, 8, 16])
 def test_kernel_equals_psum_on_gpus(batch, impl):
-    """Both kernels (behind XLA's barrier; barrier-free with persistent flags and mailbox) equal psum
-    bit for bit on both devices, once and over 50 dependent calls."""
+    """Both kernels (behind XLA's barrier; barrier-free with persistent flags and mailbox, also with
+    the residual add r + Σ x in the kernel) equal psum (then the add) bit for bit on both devices,
+    once and over 50 dependent calls."""
     from jax.sharding import PartitionSpec as P
 
     from jaxdecode.tp import AXIS, make_mesh
 
     mesh = make_mesh(2)
     bufs = allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16)  # the same arrays for every call below
+    residual = lambda v: v * jnp.asarray(0.37, v.dtype) if impl == "persistent_residual" else None  # noqa: E731
     kernel = ((lambda v, *b: allreduce.all_reduce_kernel(v, AXIS, 2)) if impl == "barrier"
-              else (lambda v, *b: allreduce.all_reduce_persistent(v, AXIS, *b)))
-    psum = lambda v, *b: jax.lax.psum(v, AXIS)
+              else (lambda v, *b: allreduce.all_reduce_persistent(v, AXIS, *b, residual=residual(v))))
+    psum = ((lambda v, *b: residual(v) + jax.lax.psum(v, AXIS)) if impl == "persistent_residual"
+            else (lambda v, *b: jax.lax.psum(v, AXIS)))
 
     def sharded(fn):
         run = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS), check_vma=False))
