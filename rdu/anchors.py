@@ -26,6 +26,7 @@ class GPURow:
     n_gpus: int = 1
     kernels_per_layer: int | None = None
     model: str = "llama-3.1-8b"
+    allreduce: str = "psum"  # tensor parallel: NCCL's psum or our peer-to-peer kernel ("kernel")
 
 
 B = "BENCHMARKS.md 2026-11-30 (results_loop_gpu_8b_inplace.json)"
@@ -46,6 +47,8 @@ TPS2 = ("BENCHMARKS.md 2026-11-30 12:52 UTC, the current build (results_tp1_tp2_
 TPS3 = "BENCHMARKS.md 2026-11-30 14:30 UTC, the current build (results_tp_gpu_1430.json, benchmarks/tp_gpu.py)"
 TPS4 = ("BENCHMARKS.md 2026-11-30 15:09-15:11 UTC, TP2 with the peer-to-peer all-reduce kernel "
         "(results_allreduce_decode_gpu.json, benchmarks/allreduce_kernel_gpu.py)")
+TPS5 = ("BENCHMARKS.md 2026-11-30 16:40-16:41 UTC, TP2 with the all-reduce kernel doing the residual add "
+        "(results_allreduce_decode_gpu_1641.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b)")
 A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
 # it, batch-1 rows cannot split the time between per-kernel overhead and M=1 bandwidth, and that split is
@@ -111,12 +114,22 @@ INPLACE_TP_ROWS = (
            n_gpus=2, model="llama-3.1-70b"),
     GPURow("ours TP2, Llama-3.1-70B b8, 14:30 build", 23.486, "looped_inplace", 8, "report only", TPS3, context=1088,
            n_gpus=2, model="llama-3.1-70b"),
-    # The all-reduce kernel instead of NCCL (the model still charges the measured psum latency for it).
+    # The all-reduce kernel instead of NCCL: charged its own measured duration (GPUSpec.p2p_allreduce_s).
     GPURow("ours TP1, Llama-3.1-8B b1, 15:09 run", 4.822, "looped_inplace", 1, "report only", TPS4, context=1152),
     GPURow("ours TP2 p2p kernel, Llama-3.1-8B b1", 3.56, "looped_inplace", 1, "report only", TPS4, context=1152,
-           n_gpus=2),
+           n_gpus=2, allreduce="kernel"),
     GPURow("ours TP2 p2p kernel, Llama-3.1-70B b1", 21.45, "looped_inplace", 1, "report only", TPS4, context=1088,
-           n_gpus=2, model="llama-3.1-70b"),
+           n_gpus=2, model="llama-3.1-70b", allreduce="kernel"),
+    # The kernel with the residual add in it (one XLA fusion fewer per all-reduce), and psum, same process.
+    GPURow("ours TP1, Llama-3.1-8B b1, 16:41 run", 4.638, "looped_inplace", 1, "report only", TPS5, context=1152),
+    GPURow("ours TP2 psum, Llama-3.1-8B b1, 16:41 run", 3.801, "looped_inplace", 1, "report only", TPS5,
+           context=1152, n_gpus=2),
+    GPURow("ours TP2 p2p kernel + residual, Llama-3.1-8B b1", 3.309, "looped_inplace", 1, "report only", TPS5,
+           context=1152, n_gpus=2, allreduce="kernel"),
+    GPURow("ours TP2 psum, Llama-3.1-70B b1, 16:41 run", 22.112, "looped_inplace", 1, "report only", TPS5,
+           context=1088, n_gpus=2, model="llama-3.1-70b"),
+    GPURow("ours TP2 p2p kernel + residual, Llama-3.1-70B b1", 20.868, "looped_inplace", 1, "report only", TPS5,
+           context=1088, n_gpus=2, model="llama-3.1-70b", allreduce="kernel"),
 )
 # Published, another GPU: reported with the fitted constants, never fitted.
 DGX_ROW = GPURow("DGX H100 TRT-LLM 8B bs1 4K (300 tok/s, 10 kernels/layer)", 1e3 / 300.0, "fixed", 1, "test",

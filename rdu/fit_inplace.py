@@ -49,9 +49,10 @@ jax.tree_util.register_dataclass(InplaceFeatures, data_fields=["xla", "n", "kern
 
 
 def inplace_features(kernels, gpu: GPUSpec, *, batch: int, n_gpus: int = 1, kv_heads: int = 8,
-                     activation_bytes: int = 0, logits_bytes: int = 0) -> InplaceFeatures:
+                     activation_bytes: int = 0, logits_bytes: int = 0, allreduce: str = "psum") -> InplaceFeatures:
     layer = next(k for k in kernels if k.is_layer)
-    t = inplace_terms(layer, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes)
+    t = inplace_terms(layer, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes,
+                      allreduce=allreduce)
     rest = gpu_features([k for k in kernels if not k.is_layer], gpu, batch=batch, mode="xla", n_gpus=n_gpus,
                         kv_heads=kv_heads, activation_bytes=activation_bytes, logits_bytes=logits_bytes)
     return InplaceFeatures(rest, float(layer.calls * layer.iterations), float(t.kernels), t.gemm_bytes, t.kv_bytes,
@@ -79,7 +80,7 @@ def row_features(row: GPURow) -> tuple[InplaceFeatures, GPUFeatures]:
     spec = H100 if row.gpu == "h100" else H200
     kw = dict(n_gpus=row.n_gpus, kv_heads=cfg.n_kv_heads, activation_bytes=row.batch * cfg.dim * 2,
               logits_bytes=sum(k.other_bytes for k in all_kernels if k.role == "sampling"))
-    return (inplace_features(kernels, spec, batch=row.batch, **kw),
+    return (inplace_features(kernels, spec, batch=row.batch, allreduce=row.allreduce, **kw),
             gpu_features(kernels, spec, batch=row.batch, mode="xla", **kw))
 
 
@@ -128,7 +129,7 @@ def _row(r: GPURow, c_xla, pub, fitted, f, fx, loo_model: float | None = None) -
     a, b, x = _ms(c_xla, pub, f), _ms(c_xla, fitted, f), 1e3 * float(gpu_time(c_xla, fx))
     out = {"group": "h200_inplace" if r.split != "report only" else "h200_inplace_tp", "what": r.what,
            "model": r.model, "split": r.split, "mode": r.mode, "batch": r.batch, "context": r.context,
-           "n_gpus": r.n_gpus, "target": r.measured_ms, "unit": "ms/step", "source": r.source,
+           "n_gpus": r.n_gpus, "allreduce": r.allreduce, "target": r.measured_ms, "unit": "ms/step", "source": r.source,
            "published_model": a, "fitted_model": b, "published_err_pct": _err(a, r.measured_ms),
            "fitted_err_pct": _err(b, r.measured_ms), "before_xla_model": x, "before_xla_err_pct": _err(x, r.measured_ms)}
     if loo_model is not None:

@@ -101,14 +101,27 @@ def inplace_kernel_counts(layer: DataflowGraph) -> tuple[int, int]:
     return gemms, gemms + int(any(_is_attention(n) for n in nodes)) + rest
 
 
+ALLREDUCE_IMPLS = ("psum", "kernel")
+
+
 def inplace_terms(k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8,
-                  activation_bytes: int = 0) -> InplaceTerms:
-    """The terms of one decoder kernel (weights split n ways, KV over min(n, kv_heads) shards)."""
+                  activation_bytes: int = 0, allreduce: str = "psum") -> InplaceTerms:
+    """The terms of one decoder kernel (weights split n ways, KV over min(n, kv_heads) shards).
+
+    Tensor-parallel all-reduces: "psum" charges NCCL's measured latency plus the ring's NVLink bytes
+    (`gpu_allreduce_s`); "kernel" (2 GPUs; the engine picks it for activations of at most 8192
+    elements) charges our peer-to-peer kernel's measured duration, `p2p_allreduce_s`, and no extra
+    kernel slot: it also does the residual add, whose fusion the traced count already holds."""
     from rdu.simulate import gpu_allreduce_s
 
+    if allreduce not in ALLREDUCE_IMPLS:
+        raise ValueError(f"allreduce must be one of {ALLREDUCE_IMPLS}, got {allreduce!r}")
+    if allreduce == "kernel" and n_gpus != 2:
+        raise ValueError(f"the all-reduce kernel runs on 2 GPUs, got {n_gpus}")
     gemms, count = inplace_kernel_counts(k.graph)
     shards = min(n_gpus, kv_heads)
-    comm = ALLREDUCES_PER_LAYER * gpu_allreduce_s(activation_bytes, n_gpus, gpu)
+    per_call = gpu.p2p_allreduce_s if allreduce == "kernel" else gpu_allreduce_s(activation_bytes, n_gpus, gpu)
+    comm = ALLREDUCES_PER_LAYER * per_call
     return InplaceTerms(count, gemms, k.weight_bytes / n_gpus, k.cache_read_bytes / shards,
                         k.cache_write_bytes / shards + k.other_bytes, k.flops / n_gpus / gpu.achieved_flops, comm)
 

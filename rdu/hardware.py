@@ -109,6 +109,7 @@ class GPUSpec(_Sourced):
     flat_gemm_m_exponent: float = 0.034  # flat GEMM efficiency(M) = flat_gemm_efficiency * M ** -exponent
     split_k_efficiency: float = 0.79  # split-K decode attention over the stacked cache
     inplace_kernel_gap_s: float = 3e-6  # fixed cost per kernel inside the per-layer CUDA graph
+    p2p_allreduce_s: float = 5.0e-6  # our peer-to-peer all-reduce kernel (2 GPUs, B·D <= 8192), in the decode
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def matmul_efficiency(self, m: int) -> float:
@@ -211,6 +212,11 @@ H200 = GPUSpec(
         ("split_k_efficiency", "KERNELS_RESULTS.md: ours_async decode attention B32 S8192, 3814 GB/s = 0.79 of peak"),
         ("inplace_kernel_gap_s", "assumed 3 us, as kernel_overhead_s: the fixed cost of each kernel inside the "
                                  "per-layer CUDA graph (its launch, ramp and drain; no gap between kernels)"),
+        ("p2p_allreduce_s", "measured 2026-11-30 16:37 UTC on 2 NVLink H200s: kernels.allreduce's barrier-free "
+                            "kernel (with the residual add) inside a TP2 Llama-3.1-8B batch-1 decode step (profiler, "
+                            "GPU 0) runs 3.7-4.2 us after attention and 5.4-6.5 us after the MLP, where it also waits "
+                            "for the slower GPU (benchmarks/results_tp_profile_gpu_1637.json); their mean, 5.0 us, "
+                            "taken. H200 only: not measured on an H100"),
     ))
 
 H100 = replace(
