@@ -42,12 +42,12 @@ from kernels.decode_attention_kernels import (
     BlockSizes,
     _async_kernel,
     _attention_call,
-    _combine_partials,
     _from_rows,
     _pad_cache,
     _sync_kernel,
     _sync_partials,
     _to_rows,
+    combine_rows,
 )
 
 
@@ -190,10 +190,11 @@ def decode_attention_sync(
                        f"for one new token, got {[(x.shape, str(x.dtype)) for x in new_kv]} with T = {kw['tokens']}")
     acc, l, m, k, v = _attention_call(_sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3,
                                       gated=False, new_kv=new_kv, **kw)
-    o, _ = _combine_partials(acc, l, m)
-    return _from_rows(o, 1, kw["group"]).astype(q.dtype), k, v
-  o, _ = _sync_partials(q_rows, k, v, layer, lengths, None, **kw)
-  return _from_rows(o, kw["tokens"], kw["group"]).astype(q.dtype)
+  else:
+    acc, l, m = _attention_call(_sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3, gated=False, **kw)
+  o = combine_rows(acc, l, m, tokens=kw["tokens"], group=kw["group"], out_dtype=q.dtype, cfg=block_sizes,
+                   interpret=interpret, poison=poison)
+  return (o, k, v) if new_kv is not None else o
 
 
 def calibrate_phi(row_stats, *, coverage: float = 0.9999,

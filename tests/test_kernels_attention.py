@@ -170,8 +170,63 @@ class TestDecodeAttention:
     _close(out, ref)
 
 
+  @pytest.mark.parametrize("shape", [AttentionShape("g4", 2, 1, 32, 8, 128, 256),
+                                     AttentionShape("g1", 1, 1, 4, 4, 64, 128),
+                                     AttentionShape("g8", 3, 1, 16, 2, 128, 192)])
+  def test_combine_kernel_equals_the_jnp_combine(self, shape):
+    """combine="kernel" (one Pallas kernel for the split combine) against combine="xla" and the
+    reference, on ragged lengths (some splits past a sequence's end hold no rows: m = -1e30, l = 0),
+    with poisoned outputs, also over a stacked cache at a traced layer."""
+    q, k, v, lengths = _inputs(shape, seed=40)
+    lengths = lengths.at[0].set(3)  # most of sequence 0's splits are empty
+    kw = dict(interpret=self.INTERPRET, poison=True)
+    blocks = da.BlockSizes(block_k=32, num_splits=shape.cache_len // 64)
+    fused = da.decode_attention_sync(q, k, v, lengths, block_sizes=da.BlockSizes(
+        block_k=32, num_splits=shape.cache_len // 64, combine="kernel"), **kw)
+    plain = da.decode_attention_sync(q, k, v, lengths, block_sizes=blocks, **kw)
+    ref, _ = da.decode_attention_reference(q, k, v, lengths)
+    _close(fused, ref)
+    # the same f32 sums in split order (XLA may reduce in another order): at most one bf16 rounding apart
+    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(plain, np.float32), rtol=2**-7, atol=1e-6)
+    stacked = da.decode_attention_sync(q, jnp.stack([k, k]), jnp.stack([v, v]), lengths, layer=jnp.int32(1),
+                                       block_sizes=da.BlockSizes(block_k=32, combine="kernel"), **kw)
+    _close(stacked, ref)
+
+  def test_combine_kernel_declines_what_it_does_not_tile(self):
+    """T = 3 and a group of 3 are not the kernel's shapes: combine="kernel" then combines in jnp,
+    with the same values as combine="xla"."""
+    for shape in (AttentionShape("t3", 2, 3, 8, 2, 64, 128), AttentionShape("g3", 2, 1, 6, 2, 64, 128)):
+      q, k, v, lengths = _inputs(shape, seed=41)
+      outs = [da.decode_attention_sync(q, k, v, lengths, block_sizes=da.BlockSizes(block_k=32, num_splits=2,
+                                                                                   combine=c),
+                                       interpret=self.INTERPRET, poison=True) for c in ("kernel", "xla")]
+      np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+
+
 class TestDecodeAttentionInterpret(TestDecodeAttention):
   INTERPRET = True
+
+
+def test_combine_splits_against_the_jnp_combine():
+  """The kernel on its own, in f32, on random partials with one empty split per row group: equal to
+  `_combine_partials` + `_from_rows` to f32 rounding of a 5-term sum."""
+  from kernels.decode_attention_kernels import _combine_partials, _from_rows, combine_splits
+  keys = jax.random.split(jax.random.key(42), 3)
+  b, kh, splits, rows, g, h = 2, 3, 5, 16, 4, 64
+  acc = jax.random.normal(keys[0], (b, kh, splits, rows, h), jnp.float32)
+  l = 1.0 + jax.random.uniform(keys[1], (b, kh, splits, rows), jnp.float32)
+  m = 3.0 * jax.random.normal(keys[2], (b, kh, splits, rows), jnp.float32)
+  acc, l, m = acc.at[:, :, 2].set(0.0), l.at[:, :, 2].set(0.0), m.at[:, :, 2].set(-1e30)  # an empty split
+  got = combine_splits(acc, l, m, group=g, out_dtype=jnp.float32, cfg=da.BlockSizes(), interpret=True, poison=True)
+  o, _ = _combine_partials(acc, l, m)
+  want = _from_rows(o, 1, g)
+  assert got.shape == want.shape == (b, 1, kh * g, h)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_block_sizes_names_a_bad_combine():
+  with pytest.raises(ValueError, match="combine must be"):
+    da.BlockSizes(combine="fused")
 
 
 def test_calibrate_phi_centers_the_window():
