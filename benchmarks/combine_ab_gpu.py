@@ -29,15 +29,14 @@ DEFAULT_SDPA = looped_model.KERNEL_CALLS["sdpa"]
 
 
 def engine_with(model, combine: str, tp: int):
+    """An engine whose attention hook combines the splits as `combine` says. The hook table is patched
+    until the caller restores it after the first (tracing) call: the TP engine traces lazily."""
     looped_model.KERNEL_CALLS["sdpa"] = functools.partial(looped_model.kernel_attention,
                                                           block_sizes=BlockSizes(combine=combine))
-    try:
-        if tp == 1:
-            return Engine(model)
-        from jaxdecode.tp import TPForward
-        return Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))
-    finally:
-        looped_model.KERNEL_CALLS["sdpa"] = DEFAULT_SDPA
+    if tp == 1:
+        return Engine(model)
+    from jaxdecode.tp import TPForward
+    return Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))
 
 
 def main():
@@ -47,9 +46,9 @@ def main():
     for tp, batches in plans:
         for variant in ("xla", "kernel", "xla"):
             engine = engine_with(model, variant, tp)
-            for batch in batches:
+            for batch in batches:  # each batch's step is traced at its first call, with the hook patched
                 prompts = np.random.default_rng(batch).integers(0, 1000, (batch, 16))
-                time_engine(engine, prompts, context=1024, steps=32)  # compiles
+                time_engine(engine, prompts, context=1024, steps=32)  # traces and compiles
                 runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]
                 best = min(runs, key=lambda t: t.decode_s / t.steps)
                 key = (tp, batch)
@@ -59,6 +58,7 @@ def main():
                                  all_ms=[round(t.decode_s / t.steps * 1e3, 3) for t in runs],
                                  tokens_agree_with_first_xla=agree))
                 print(rows[-1], flush=True)
+            looped_model.KERNEL_CALLS["sdpa"] = DEFAULT_SDPA
             del engine
     with open(os.path.join(os.environ.get("OUT", "."), "combine_ab_gpu.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
