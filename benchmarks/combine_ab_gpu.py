@@ -1,12 +1,13 @@
 """GPU A/B: the attention's split combine as XLA fusions (combine="xla") or as one Pallas kernel
 (combine="kernel", `kernels.decode_attention_kernels.combine_splits`), in the default engine.
 
-    JAX_PLATFORMS=cuda,cpu python benchmarks/combine_ab_gpu.py [--tp2]   (writes $OUT/combine_ab_gpu.json)
+    JAX_PLATFORMS=cuda,cpu python benchmarks/combine_ab_gpu.py [--tp 1|2] [--batches 1,8] [--variants xla,kernel,xla]
+        # one JSON line per row on stdout and in $OUT/combine_ab_gpu.jsonl
 
-Llama-3.1-8B, random bf16 weights, 1k context, batch 1 and 8 on one GPU (with --tp2 also batch 1 on
-2 GPUs, the all-reduce kernel). Per variant: the best of three 64-step decode timings
-(`bench.time_engine`); "xla" runs first and last to show the drift within the run; greedy tokens are
-compared with the first "xla" run (leading tokens equal in every sequence).
+Llama-3.1-8B, random bf16 weights, 1k context, on one GPU or 2 (`--tp 2`: the all-reduce kernel).
+Per variant: the best of three 64-step decode timings (`bench.time_engine`); run "xla" first and last
+to show the drift within the run. Greedy tokens are compared with the first variant's (leading
+tokens equal in every sequence).
 """
 import functools
 import json
@@ -39,12 +40,16 @@ def engine_with(model, combine: str, tp: int):
     return Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))
 
 
+def arg(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 def main():
     model = init_random(get_preset("llama-3.1-8b"), dtype=jnp.bfloat16)
     rows, first_tokens = [], {}
-    plans = [(1, (1, 8))] + ([(2, (1,))] if "--tp2" in sys.argv else [])
+    plans = [(int(arg("--tp", "1")), tuple(int(b) for b in arg("--batches", "1,8").split(",")))]
     for tp, batches in plans:
-        for variant in ("xla", "kernel", "xla"):
+        for variant in arg("--variants", "xla,kernel,xla").split(","):
             engine = engine_with(model, variant, tp)
             for batch in batches:  # each batch's step is traced at its first call, with the hook patched
                 prompts = np.random.default_rng(batch).integers(0, 1000, (batch, 16))
@@ -56,12 +61,12 @@ def main():
                 first_tokens.setdefault(key, best.tokens)
                 rows.append(dict(tp=tp, combine=variant, batch=batch, ms=round(best.decode_s / best.steps * 1e3, 3),
                                  all_ms=[round(t.decode_s / t.steps * 1e3, 3) for t in runs],
-                                 tokens_agree_with_first_xla=agree))
-                print(rows[-1], flush=True)
+                                 tokens_agree_with_first=agree))
+                print(json.dumps(rows[-1]), flush=True)
+                with open(os.path.join(os.environ.get("OUT", "."), "combine_ab_gpu.jsonl"), "a") as fh:
+                    fh.write(json.dumps(rows[-1]) + "\n")
             looped_model.KERNEL_CALLS["sdpa"] = DEFAULT_SDPA
             del engine
-    with open(os.path.join(os.environ.get("OUT", "."), "combine_ab_gpu.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
 
 
 if __name__ == "__main__":
