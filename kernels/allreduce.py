@@ -87,9 +87,11 @@ def _kernel(x_ref, y_ref, mailbox_ref, ready, arrived, *, axis: str, devices: in
 # resetting. A device can run at most one call ahead of its peer (its call k+1 waits for the epoch
 # k+2, which the peer writes in its own call k+1), so it writes only into the other set while the
 # peer still reads this one: no handshake before the writes. Two devices only. Every device must make
-# the same sequence of calls on the same buffers (SPMD programs do). Known limit: the count is compared
-# unsigned, so after 2^32 calls on one pair of buffers (about 67 M tokens of an 8B model at 64 calls a
-# token) the wrap breaks the wait; a signed difference would fix it (untested on a GPU).
+# the same sequence of calls on the same buffers (SPMD programs do). The counter is a 32-bit integer
+# that wraps after 2^32 calls on one pair of buffers (about 67 M tokens of an 8B model at 64 calls a
+# token): the wait compares the signed difference flag - epoch with 0, which stays right across the
+# wrap because the flag is never more than one call away from the epoch (tested on the GPU from a
+# counter started 3 calls before the wrap, `persistent_buffers(start=...)`).
 
 STATE_WORDS = 4
 MAILBOX_ROWS = 4
@@ -98,8 +100,9 @@ _COUNT, _ARRIVED = 0, 1
 
 def _exchange(ctx, count_ref, own_flag, peer_flag):
   """One thread: epoch = calls so far + 1; store it into the peer's flag (release, system scope); spin
-  until our own flag is at least the epoch (acquire); store the epoch as the new call count. A
-  warpgroup barrier before (everyone's stores are done) and after (everyone sees what arrived)."""
+  until our own flag has reached the epoch (acquire; flag - epoch >= 0 as a signed difference, so the
+  32-bit wrap is harmless); store the epoch as the new call count. A warpgroup barrier before
+  (everyone's stores are done) and after (everyone sees what arrived)."""
   del ctx
   i32 = ir.IntegerType.get_signless(32)
   mgpu_utils.warpgroup_barrier()
@@ -113,7 +116,8 @@ def _exchange(ctx, count_ref, own_flag, peer_flag):
     with ir.InsertionPoint(spin.before.blocks.append()):
       seen = mgpu_utils.inline_ptx("ld.acquire.sys.global.b32 $0, [$1];", mgpu_utils.memref_ptr(own_flag),
                                    result_types=i32, has_side_effects=True)
-      scf.condition(arith.cmpi(arith.CmpIPredicate.ult, seen, epoch), [])
+      behind = arith.cmpi(arith.CmpIPredicate.slt, arith.subi(seen, epoch), mgpu_utils.c(0, i32))
+      scf.condition(behind, [])
     with ir.InsertionPoint(spin.after.blocks.append()):
       scf.yield_([])
     mgpu_utils.inline_ptx("st.relaxed.gpu.global.b32 [$0], $1;", mgpu_utils.memref_ptr(count_ref), epoch,
@@ -130,7 +134,8 @@ def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: i
   *residual, y_ref = refs
   me = lax.axis_index(axis)
   peer = 1 - me
-  first = 2 * lax.rem(state_ref[_COUNT] + 1, 2)  # this call's set: rows first, first + 1
+  first = 2 * jnp.bitwise_and(state_ref[_COUNT] + 1, 1)  # this call's set: rows first, first + 1 (parity
+  # by the low bit: right for negative counts too, i.e. past 2^31 calls and across the 32-bit wrap)
   word = lambda i: state_ref.at[pl.ds(i, 1)]
   size = x_ref.shape[0]
   for start in range(0, size, chunk):
@@ -147,15 +152,17 @@ def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: i
     y_ref[part] = total
 
 
-def persistent_buffers(mesh, axis: str, dtype) -> tuple[jax.Array, jax.Array]:
+def persistent_buffers(mesh, axis: str, dtype, start: int = 0) -> tuple[jax.Array, jax.Array]:
   """Zeroed (state, mailbox) for `all_reduce_persistent` on a 1-D mesh of 2 devices, sharded over
   `axis`: keep them alive and pass the same arrays to every call (inside shard_map each device sees
-  state [4] and mailbox [4, MAX_ELEMENTS])."""
+  state [4] and mailbox [4, MAX_ELEMENTS]). `start` (tests) sets the call counter and both flags, as
+  if `start` calls had run (an int32 bit pattern: -3 is 3 calls before the 32-bit wrap)."""
   from jax.sharding import NamedSharding, PartitionSpec
 
   sharding = NamedSharding(mesh, PartitionSpec(axis))
   n = mesh.shape[axis]
-  state = jax.device_put(jnp.zeros((n * STATE_WORDS,), jnp.int32), sharding)
+  words = jnp.zeros((STATE_WORDS,), jnp.int32).at[_COUNT].set(start).at[_ARRIVED].set(start)
+  state = jax.device_put(jnp.tile(words, n), sharding)
   mailbox = jax.device_put(jnp.zeros((n * MAILBOX_ROWS, MAX_ELEMENTS), dtype), sharding)
   return state, mailbox
 

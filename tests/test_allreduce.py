@@ -49,7 +49,9 @@ def _worker() -> dict:
     tokens = jnp.zeros((1, 1), jnp.int32)
     step_params = tp.step_params  # the weights and the barrier-free kernel's persistent buffers
     step = str(jax.make_jaxpr(tp.forward)(step_params, tokens, tokens, tp.new_cache(1, 64, jnp.bfloat16)))
+    wrap_state = np.asarray(allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16, start=-3)[0]).tolist()
     return {"equal_psum": bool(np.array_equal(got, ref)), "equal_host": bool(np.array_equal(got[:2], host)),
+            "wrap_state": wrap_state,
             "residual_equal_host": bool(np.array_equal(with_residual[:2], host_residual)),
             "devices_equal": bool(np.array_equal(got[:2], got[2:])),
             "runs": [r.length for r in plan.report.runs], "layers": cfg.n_layers,
@@ -72,6 +74,11 @@ def worker():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_buffers_can_start_before_the_wrap(worker):
+    """persistent_buffers(start=-3): each device's call count and flag as if 2^32 - 3 calls had run."""
+    assert worker["wrap_state"] == [-3, -3, 0, 0] * 2
 
 
 def test_cpu_falls_back_to_psum(worker):
@@ -109,17 +116,19 @@ def _hopper_pair() -> bool:
 
 
 @pytest.mark.skipif(not _hopper_pair(), reason="needs 2 Hopper GPUs (the kernel is Mosaic GPU with remote refs)")
-@pytest.mark.parametrize("impl", ["barrier", "persistent"])
+@pytest.mark.parametrize("impl", ["barrier", "persistent", "persistent_wrap"])
 @pytest.mark.parametrize("batch", [1, 8, 16])
 def test_kernel_equals_psum_on_gpus(batch, impl):
     """Both kernels (behind XLA's barrier; barrier-free with persistent flags and mailbox) equal psum
-    bit for bit on both devices, once and over 50 dependent calls."""
+    bit for bit on both devices, once and over 50 dependent calls. "persistent_wrap" starts the
+    barrier-free kernel's counter 3 calls before the 32-bit wrap, so the loop crosses it."""
     from jax.sharding import PartitionSpec as P
 
     from jaxdecode.tp import AXIS, make_mesh
 
     mesh = make_mesh(2)
-    bufs = allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16)  # the same arrays for every call below
+    # the same arrays for every call below
+    bufs = allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16, start=-3 if impl == "persistent_wrap" else 0)
     kernel = ((lambda v, *b: allreduce.all_reduce_kernel(v, AXIS, 2)) if impl == "barrier"
               else (lambda v, *b: allreduce.all_reduce_persistent(v, AXIS, *b)))
     psum = lambda v, *b: jax.lax.psum(v, AXIS)
