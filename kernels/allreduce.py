@@ -134,8 +134,9 @@ def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: i
   *residual, y_ref = refs
   me = lax.axis_index(axis)
   peer = 1 - me
-  first = 2 * jnp.bitwise_and(state_ref[_COUNT] + 1, 1)  # this call's set: rows first, first + 1 (parity
-  # by the low bit: right for negative counts too, i.e. past 2^31 calls and across the 32-bit wrap)
+  # This call's set: rows first, first + 1. The parity is the count's low bit, right for negative
+  # counts too (past 2^31 calls and across the 32-bit wrap), where lax.rem would go negative.
+  first = 2 * jnp.bitwise_and(state_ref[_COUNT] + 1, 1)
   word = lambda i: state_ref.at[pl.ds(i, 1)]
   size = x_ref.shape[0]
   for start in range(0, size, chunk):

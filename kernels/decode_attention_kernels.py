@@ -1,9 +1,11 @@
 """Kernel bodies and pallas_call wrappers of the split-K decode attention (kernels/decode_attention.py).
 
 Holds the two Pallas kernels (async softmax with a unified max φ; synchronized online softmax), the
-pallas_call wrapper that runs them over the grid (B, K, splits), and the row layout and partial
-combination around it. `kernels.decode_attention` is the public entry point: it re-exports
-`BlockSizes` and holds the jitted ops and the reference; the layouts are described in its docstring.
+pallas_call wrapper that runs them over the grid (B, K, splits), the row layout and partial
+combination around it, and that combination as one kernel for one token (`combine_splits`, the
+default; `combine_rows` picks it or the jnp form). `kernels.decode_attention` is the public entry
+point: it re-exports `BlockSizes` and holds the jitted ops and the reference; the layouts are
+described in its docstring.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def _row(r: GPURow, c_xla, pub, fitted, f, fx, loo_model: float | None = None) -
     a, b, x = _ms(c_xla, pub, f), _ms(c_xla, fitted, f), 1e3 * float(gpu_time(c_xla, fx))
     out = {"group": "h200_inplace" if r.split != "report only" else "h200_inplace_tp", "what": r.what,
            "model": r.model, "split": r.split, "mode": r.mode, "batch": r.batch, "context": r.context,
-           "n_gpus": r.n_gpus, "allreduce": r.allreduce, "target": r.measured_ms, "unit": "ms/step", "source": r.source,
+           "n_gpus": r.n_gpus, "allreduce": r.allreduce, "target": r.measured_ms, "unit": "ms/step",
+           "source": r.source,
            "published_model": a, "fitted_model": b, "published_err_pct": _err(a, r.measured_ms),
            "fitted_err_pct": _err(b, r.measured_ms), "before_xla_model": x, "before_xla_err_pct": _err(x, r.measured_ms)}
     if loo_model is not None:

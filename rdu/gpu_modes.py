@@ -120,7 +120,10 @@ def inplace_terms(k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8
         raise ValueError(f"the all-reduce kernel runs on 2 GPUs, got {n_gpus}")
     gemms, count = inplace_kernel_counts(k.graph)
     shards = min(n_gpus, kv_heads)
-    per_call = gpu.p2p_allreduce_s if allreduce == "kernel" else gpu_allreduce_s(activation_bytes, n_gpus, gpu)
+    if allreduce == "kernel":
+        per_call = gpu.p2p_allreduce_s
+    else:
+        per_call = gpu_allreduce_s(activation_bytes, n_gpus, gpu)
     comm = ALLREDUCES_PER_LAYER * per_call
     return InplaceTerms(count, gemms, k.weight_bytes / n_gpus, k.cache_read_bytes / shards,
                         k.cache_write_bytes / shards + k.other_bytes, k.flops / n_gpus / gpu.achieved_flops, comm)

@@ -166,3 +166,23 @@ def test_inplace_gemm_count_groups_matmuls_by_shared_input():
     cfg = get_preset("llama-3.1-8b")
     layer = next(k for k in fuse(trace_decode_step(cfg, 1, 1152, looped=False)) if k.is_layer)
     assert inplace_kernel_counts(layer.graph) == (4, 12)  # qkv, o, gate.up, down; + attention + 7 XLA
+
+
+def test_inplace_allreduce_kernel_by_hand():
+    """looped_inplace on 2 GPUs: "kernel" charges the measured kernel duration per all-reduce (two per
+    layer) where "psum" charges NCCL's latency plus the ring's bytes; everything else is equal. Bad
+    choices are refused with the name of the problem."""
+    from rdu.gpu_modes import inplace_terms
+
+    cfg = get_preset("llama-3.1-8b")
+    layer = next(k for k in fuse(trace_decode_step(cfg, 1, 1152, looped=False)) if k.is_layer)
+    spec = replace(H200, p2p_allreduce_s=5e-6, allreduce_latency_s=2e-5, nvlink_bw=1e11)
+    kw = dict(n_gpus=2, kv_heads=cfg.n_kv_heads, activation_bytes=cfg.dim * 2)
+    psum, kernel = (inplace_terms(layer, spec, allreduce=a, **kw) for a in ("psum", "kernel"))
+    assert kernel.comm_s == pytest.approx(2 * 5e-6)
+    assert psum.comm_s == pytest.approx(2 * (2e-5 + cfg.dim * 2 / 1e11))
+    assert replace(kernel, comm_s=0.0) == replace(psum, comm_s=0.0)
+    with pytest.raises(ValueError, match="allreduce must be one of"):
+        inplace_terms(layer, spec, allreduce="nccl", **kw)
+    with pytest.raises(ValueError, match="runs on 2 GPUs"):
+        inplace_terms(layer, spec, allreduce="kernel", **{**kw, "n_gpus": 4})
