@@ -15,6 +15,8 @@ that is the call boundary the kernel-looping pass (`jaxdecode.looping`) finds an
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,9 +239,15 @@ class DecoderLayer(nnx.Module):
 
 
 @jax.jit(static_argnums=0)
-def decoder_layer_call(graphdef, state, x, k_cache, v_cache, positions, cos, sin):
-    """Apply one decoder layer given as (graphdef, state): the call boundary the looping pass finds."""
-    return nnx.merge(graphdef, state)(x, k_cache, v_cache, positions, cos, sin)
+def decoder_layer_call(graphdef, state, x, k_cache, v_cache, positions, cos, sin, *comm):
+    """Apply one decoder layer given as (graphdef, state): the call boundary the looping pass finds.
+
+    `comm`: the tensor-parallel all-reduce kernel's buffers (`kernels.allreduce.using_buffers`), or
+    nothing. They come in as arguments, not read from the caller's context inside, because jit caches
+    this function's trace: a trace that had read them from the context would keep the first caller's
+    tracers, and the next engine of the same shapes would find them there (an UnexpectedTracerError)."""
+    with allreduce.using_buffers(*comm) if comm else contextlib.nullcontext():
+        return nnx.merge(graphdef, state)(x, k_cache, v_cache, positions, cos, sin)
 
 
 class Transformer(nnx.Module):
@@ -280,7 +288,8 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layers_{i}"):
                 graphdef, state = nnx.split(layer)
-                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin)
+                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin,
+                                             *allreduce.current_buffers())
             new_k.append(k)
             new_v.append(v)
         return x, new_k, new_v

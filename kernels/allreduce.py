@@ -236,6 +236,13 @@ def using_buffers(state: jax.Array, mailbox: jax.Array):
     _PERSISTENT.pop()
 
 
+def current_buffers() -> tuple[jax.Array, ...]:
+  """The (state, mailbox) of the innermost `using_buffers`, or (). A jitted function that calls
+  `all_reduce` should take these as arguments and re-enter `using_buffers` inside: reading them from
+  the context while jit traces it would leave the caller's tracers in jit's cache."""
+  return _PERSISTENT[-1] if _PERSISTENT else ()
+
+
 # The largest x (elements) the barrier-free kernel takes in `all_reduce`. Measured on 2 H200s at [B, 4096]
 # bf16 (its first, two-handshake version, BENCHMARKS.md): 22.4 against 25.5 µs for psum at 4096 elements,
 # 27.0 against 26.5 at 32768; in Llama-3.1-8B TP2 decode 3.54 against 3.97 ms/token at batch 1, 4.41

@@ -50,8 +50,27 @@ def _worker() -> dict:
     step_params = tp.step_params  # the weights and the barrier-free kernel's persistent buffers
     step = str(jax.make_jaxpr(tp.forward)(step_params, tokens, tokens, tp.new_cache(1, 64, jnp.bfloat16)))
     wrap_state = np.asarray(allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16, start=-3)[0]).tolist()
+    # Two engines of one config in one process, both taking the kernel path. The Mosaic kernel does not
+    # run on the CPU, so a psum that also reads the buffers stands in for it. Before the layer call took
+    # the buffers as arguments, the second engine found the first one's tracers in jit's cache
+    # (UnexpectedTracerError on the GPU; here "Computation compiled for 23 inputs but called with 21").
+    from jaxdecode.decode import Engine
+
+    def stand_in(v, axis, state, mailbox, residual=None):
+        total = jax.lax.psum(v, axis) + (state[0] * 0).astype(v.dtype) + mailbox[0, 0] * 0
+        return total if residual is None else residual + total
+
+    allreduce.all_reduce_persistent = stand_in
+    jax.clear_caches()  # the traces above hold the real kernel
+    second_engine = []
+    for _ in range(2):
+        engine = Engine(None, tp=TPForward.random(cfg, 2, dtype=jnp.bfloat16, loop_mode="inplace", allreduce="kernel"))
+        try:
+            second_engine.append(engine.generate([[1, 2, 3]], max_new_tokens=4, chunk=2).token_ids)
+        except (jax.errors.UnexpectedTracerError, TypeError) as e:  # the two ways the stale trace showed
+            second_engine.append(f"{type(e).__name__}: {str(e)[:200]}")
     return {"equal_psum": bool(np.array_equal(got, ref)), "equal_host": bool(np.array_equal(got[:2], host)),
-            "wrap_state": wrap_state,
+            "wrap_state": wrap_state, "two_engines": second_engine,
             "residual_equal_host": bool(np.array_equal(with_residual[:2], host_residual)),
             "devices_equal": bool(np.array_equal(got[:2], got[2:])),
             "runs": [r.length for r in plan.report.runs], "layers": cfg.n_layers,
@@ -74,6 +93,14 @@ def worker():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_engine_of_the_same_config_runs(worker):
+    """Two tensor-parallel engines of one config in one process, the kernel path traced in both: the
+    second generates the same tokens instead of finding the first one's tracers in jit's cache."""
+    first, second = worker["two_engines"]
+    assert isinstance(second, list), second
+    assert first == second and len(first[0]) == 4
 
 
 def test_buffers_can_start_before_the_wrap(worker):
