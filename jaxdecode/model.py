@@ -15,8 +15,6 @@ that is the call boundary the kernel-looping pass (`jaxdecode.looping`) finds an
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -246,7 +244,7 @@ def decoder_layer_call(graphdef, state, x, k_cache, v_cache, positions, cos, sin
     nothing. They come in as arguments, not read from the caller's context inside, because jit caches
     this function's trace: a trace that had read them from the context would keep the first caller's
     tracers, and the next engine of the same shapes would find them there (an UnexpectedTracerError)."""
-    with allreduce.using_buffers(*comm) if comm else contextlib.nullcontext():
+    with allreduce.using_buffers(*comm):
         return nnx.merge(graphdef, state)(x, k_cache, v_cache, positions, cos, sin)
 
 

@@ -32,7 +32,6 @@ Known debt: `TPForward.from_model` needs the whole model on one device first; on
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from typing import NamedTuple
@@ -232,7 +231,7 @@ class TPForward:
     def _local_forward(self, params, tokens, positions, k_caches, v_caches, *comm):
         """One device's forward: local weights and caches, full logits [B, T, V] out. `comm`: this
         device's shards of the all-reduce kernel's persistent buffers, or nothing."""
-        with kernels_allreduce.using_buffers(*comm) if comm else contextlib.nullcontext():
+        with kernels_allreduce.using_buffers(*comm):
             return self._local_forward_body(params, tokens, positions, k_caches, v_caches)
 
     def _local_forward_body(self, params, tokens, positions, k_caches, v_caches):

@@ -225,15 +225,20 @@ _PERSISTENT: list[tuple[jax.Array, jax.Array]] = []  # (state, mailbox) shards s
 
 
 @contextlib.contextmanager
-def using_buffers(state: jax.Array, mailbox: jax.Array):
+def using_buffers(*buffers: jax.Array):
   """While tracing inside this context, `all_reduce` on 2 devices uses the barrier-free kernel with
-  these shards of `persistent_buffers`. They must be arguments of the jitted program (a tensor-parallel
-  forward takes them with its params), not constants it closes over."""
-  _PERSISTENT.append((state, mailbox))
+  these shards of `persistent_buffers`, (state, mailbox); with no buffers it changes nothing, so that
+  callers can pass on `current_buffers()` whatever it holds. They must be arguments of the jitted
+  program (a tensor-parallel forward takes them with its params), not constants it closes over."""
+  if len(buffers) not in (0, 2):
+    raise ValueError(f"using_buffers takes (state, mailbox) or nothing, got {len(buffers)} arrays")
+  if buffers:
+    _PERSISTENT.append(buffers)
   try:
     yield
   finally:
-    _PERSISTENT.pop()
+    if buffers:
+      _PERSISTENT.pop()
 
 
 def current_buffers() -> tuple[jax.Array, ...]:

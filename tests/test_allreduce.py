@@ -129,6 +129,20 @@ def test_kernel_refuses_inputs_it_does_not_take():
             allreduce.all_reduce_kernel(bad, "tp", 2)
 
 
+def test_using_buffers_takes_the_pair_or_nothing():
+    state, mailbox = jnp.zeros((allreduce.STATE_WORDS,), jnp.int32), jnp.zeros((2, 128), jnp.bfloat16)
+    with allreduce.using_buffers():
+        assert allreduce.current_buffers() == ()
+    with allreduce.using_buffers(state, mailbox):
+        assert allreduce.current_buffers() == (state, mailbox)
+        with allreduce.using_buffers():  # nothing given: the outer pair stays in effect
+            assert allreduce.current_buffers() == (state, mailbox)
+    assert allreduce.current_buffers() == ()
+    with pytest.raises(ValueError, match=r"takes \(state, mailbox\) or nothing, got 1"):
+        with allreduce.using_buffers(state):
+            pass
+
+
 def test_config_names_a_bad_allreduce():
     with pytest.raises(ValueError, match="tp_allreduce must be 'psum' or 'kernel'"):
         get_preset("tiny-gqa").replace(tp_allreduce="nccl")
