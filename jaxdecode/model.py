@@ -133,16 +133,29 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         projs = (self.q_proj, self.k_proj, self.v_proj)
         biases = [p.bias[...] for p in projs] if cfg.qkv_bias else []
-        q, k, v = qkv(x, *(p.weight[...] for p in projs), *biases)  # [B, T, N*H], [B, T, K*H] x 2
-        q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)  # [B, T, N, H]
-        k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
-        v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, k_cache, v_cache = attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache,
-                                       positions)
+        out, k_cache, v_cache = qkv_attend(x, k_cache, v_cache, positions, cos, sin, *(p.weight[...] for p in projs),
+                                           *biases)  # [B, T, N, H]
         out = out.reshape(b, t, cfg.q_dim)  # [B, T, N*H]
         out = self.o_proj(out)  # [B, T, D]; under tensor parallelism a partial sum over this device's heads
         return out, k_cache, v_cache
+
+
+@jax.jit
+def qkv_attend(x: Array, k_cache: Array, v_cache: Array, positions: Array, cos: Array, sin: Array,
+               w_q: Array, w_k: Array, w_v: Array, *biases: Array) -> tuple[Array, Array, Array]:
+    """The projections (`qkv`), RoPE on q and k, then `attend` (the cache write and the attention):
+    x [B, T, D] -> (out [B, T, N, H], k_cache, v_cache); caches [B, S, K, H]; cos, sin [B, T, H].
+    One module-level jitted call, so the in-place looped decode can run everything between the q·k·v
+    GEMM and the attention (split sum, bias, RoPE, the cache writes) as one kernel
+    (`looped_model.kernel_qkv_attend`); where that hook declines, the inner calls' hooks apply."""
+    b, t, _ = x.shape
+    kv_heads, head_dim = k_cache.shape[-2:]
+    q, k, v = qkv(x, w_q, w_k, w_v, *biases)  # [B, T, N*H], [B, T, K*H] x 2
+    q = q.reshape(b, t, -1, head_dim)  # [B, T, N, H]
+    k = k.reshape(b, t, kv_heads, head_dim)  # [B, T, K, H]
+    v = v.reshape(b, t, kv_heads, head_dim)  # [B, T, K, H]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return attend(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), k_cache, v_cache, positions)
 
 
 @jax.jit

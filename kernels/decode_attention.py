@@ -197,6 +197,30 @@ def decode_attention_sync(
   return (o, k, v) if new_kv is not None else o
 
 
+@functools.partial(jax.jit, static_argnames=("group", "sm_scale", "block_sizes", "length_offset", "interpret",
+                                             "poison"))
+def decode_attention_sync_rows(q_rows, k, v, lengths, *, group: int, layer, sm_scale: float | None = None,
+                               block_sizes: BlockSizes = BlockSizes(), length_offset: int = 0,
+                               interpret: bool = False, poison: bool = False):
+  """`decode_attention_sync` for one token per sequence, with q already laid out as the kernel's rows
+  q_rows [B, K, R, H] (row g < group is query head h·group + g of kv head h; rows past `group` are
+  zero), as `kernels.qkv_rope.qkv_rope_write` writes them, and the stacked cache [L, B, S, K, H] read
+  at `layer` in place. Returns o [B, 1, K·group, H] in q_rows' dtype."""
+  batch, kv_heads, rows, head_dim = q_rows.shape
+  if k.ndim != 5 or k.shape != v.shape or k.shape[1] != batch or k.shape[3:] != (kv_heads, head_dim):
+    raise ValueError(f"q_rows [B, K, R, H] = {list(q_rows.shape)} needs stacked caches [L, B, S, K, H] with "
+                     f"those B, K, H; got {list(k.shape)}, {list(v.shape)}")
+  if not 0 < group <= rows or lengths.shape != (batch,):
+    raise ValueError(f"group must be in 1..{rows} and lengths [B] = [{batch}]; got {group}, {list(lengths.shape)}")
+  k, v = _pad_cache(k, v, block_sizes, stacked=True)
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  acc, l, m = _attention_call(_sync_kernel, (lengths.astype(jnp.int32),), q_rows, k, v, layer, num_out=3,
+                              gated=False, sm_scale=sm_scale, group=group, tokens=1, cfg=block_sizes,
+                              interpret=interpret, poison=poison, length_offset=length_offset)
+  return combine_rows(acc, l, m, tokens=1, group=group, out_dtype=q_rows.dtype, cfg=block_sizes,
+                      interpret=interpret, poison=poison)
+
+
 def calibrate_phi(row_stats, *, coverage: float = 0.9999,
                   window: SoftmaxWindow = SoftmaxWindow()) -> tuple[float, float]:
   """φ from observed per-row statistics (max logits or log-sum-exps of real prompts).

@@ -1,0 +1,125 @@
+"""Why kernels sit ~0.45 µs apart in a TP2 decode step and ~0 apart on one GPU: XLA command-buffer A/B.
+
+    python benchmarks/tp_gap_ab_gpu.py [--variants tp2,tp2:SERIALIZE,tp1@8:CONCURRENT,...] [--hlo]
+        # 2 Hopper GPUs; one JSON line per variant on stdout and in $OUT/tp_gap_ab_gpu.jsonl
+
+Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context, the default looped in-place engine on one GPU
+(tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE" sets XLA's
+`--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default); XLA
+flags are read once per process, so each variant runs in its own process. Per variant: the untraced
+ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
+GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
+streams), and on the busiest stream the kernel time per step against the untraced step and the
+median idle time between two kernels inside a layer; on one GPU also the decode chunk's temporary
+memory (XLA's `memory_analysis`). `--hlo`: the optimized HLO of each variant without a mode goes to
+$OUT (`--xla_dump_to`), to name the fusions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
+
+STEPS = 32
+
+
+def measure(variant: str) -> dict:
+    """Runs in the variant's own process (XLA_FLAGS already set by the parent)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxdecode.bench import time_engine
+    from jaxdecode.config import get_preset
+    from jaxdecode.decode import Engine
+    from jaxdecode.model import init_random
+    from jaxdecode.tp import TPForward
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_trace import gpu_pids, track_names, traced_events
+
+    tp = 2 if variant.startswith("tp2") else 1
+    if "-qkv_attend" in variant:  # the q·k·v epilogue as XLA's fusions (the hook off)
+        from jaxdecode import looped_model
+        looped_model.KERNEL_CALLS.pop("qkv_attend")
+    batch = int(variant.split(":")[0].split("-")[0].split("@")[1]) if "@" in variant else 1
+    model = init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16)
+    engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))
+    prompts = np.ones((batch, 16), np.int32)
+    time_engine(engine, prompts, context=1024, steps=STEPS)  # compiles
+    runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]
+    step_us = min(t.decode_s / t.steps for t in runs) * 1e6
+    temp = [c.memory_analysis().temp_size_in_bytes for steps in getattr(engine, "_bench_compiled", {}).values()
+            for c in steps if hasattr(c, "memory_analysis")]
+    out_dir = os.path.join("/tmp/traces", variant.replace(":", "_"))
+    events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=STEPS), out_dir)
+    gpu0 = min(gpu_pids(track_names(events)))
+    streams = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") == gpu0 and "memcpy" not in e.get("name", "").lower():
+            streams[e["tid"]].append(e)
+    evs = sorted(max(streams.values(), key=len), key=lambda e: e["ts"])
+    names = [e["name"][:60] for e in evs]
+    # one decode step: between the last two launches of the LM head (the longest kernel run once a step)
+    durations = defaultdict(list)
+    for e in evs:
+        durations[e["name"][:60]].append(e["dur"])
+    head = max(durations, key=lambda n: float(np.median(durations[n])) if STEPS <= len(durations[n]) <= 2 * STEPS + 4
+               else 0.0)
+    starts = [i for i, n in enumerate(names) if n == head]
+    step = evs[starts[-2] + 1: starts[-1] + 1]
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(step, step[1:])]
+    inner = [g for g in gaps if g < 2.0]  # leave out the per-layer CUDA-graph boundaries (~4 µs)
+    row = dict(variant=variant, tp=tp, batch=batch, temp_bytes=temp, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               untraced_step_us=round(step_us, 1), all_step_us=[round(t.decode_s / t.steps * 1e6, 1) for t in runs],
+               step_kernel_us=round(sum(e["dur"] for e in step), 1), kernels_per_step=len(step),
+               median_inner_gap_us=round(float(np.median(inner)), 3), mean_inner_gap_us=round(float(np.mean(inner)), 3),
+               boundary_gaps=len(gaps) - len(inner), boundary_gap_us=round(float(np.median([g for g in gaps if g >= 2.0]
+                                                                                            or [0.0])), 2),
+               layer=[[e["name"][:40], round(e["dur"], 2), round(g, 2)] for e, g in
+                      zip(step[len(step) // 2: len(step) // 2 + 20], gaps[len(step) // 2 - 1:])],
+               streams={str(tid): len(v) for tid, v in sorted(streams.items(), key=lambda kv: -len(kv[1]))},
+               other_stream_kernels=sorted({e["name"][:50] for tid, v in streams.items() if v is not max(
+                   streams.values(), key=len) for e in v})[:12])
+    return row
+
+
+def main() -> int:
+    if "--child" in sys.argv:
+        print("ROW " + json.dumps(measure(sys.argv[sys.argv.index("--child") + 1])), flush=True)
+        return 0
+    variants = (sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv
+                else ["tp2", "tp2:SERIALIZE", "tp2:CONCURRENT", "tp1", "tp1:SERIALIZE"])
+    out = os.path.join(os.environ.get("OUT", "."), "tp_gap_ab_gpu.jsonl")
+    for variant in variants:
+        env = dict(os.environ)
+        if "--hlo" in sys.argv and ":" not in variant:
+            dump = os.path.join("/tmp/hlo", variant.replace("@", "_"))
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text").strip()
+        if ":" in variant:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                                f" --xla_gpu_command_buffer_scheduling_mode={variant.split(':')[1]}").strip()
+        proc = subprocess.run([sys.executable, __file__, "--child", variant], env=env, capture_output=True, text=True)
+        rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+        if proc.returncode or not rows:
+            print(f"{variant}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        print(rows[0], flush=True)
+        if "--hlo" in sys.argv and ":" not in variant:  # the decode chunk: the largest optimized module
+            import glob
+            import shutil
+            files = glob.glob(os.path.join(dump, "*chunk*after_optimizations.txt"))
+            if files:
+                shutil.copy(max(files, key=os.path.getsize),
+                            os.path.join(os.environ.get("OUT", "."), f"hlo_{variant.replace('@', '_')}.txt"))
+        with open(out, "a") as fh:
+            fh.write(rows[0] + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
