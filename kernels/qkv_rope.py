@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -44,15 +45,16 @@ def fits(heads: int, kv_heads: int, head_dim: int, tile_n: int, rows: int) -> bo
           and heads // kv_heads <= rows)
 
 
-def _kernel(layer_ref, pos_ref, written_ref, part_ref, cos_ref, sin_ref, *refs, heads: int, kv_heads: int,
-            tile_n: int, biased: bool):
+def _kernel(layer_ref, pos_ref, *refs, heads: int, kv_heads: int, tile_n: int, biased: bool, table: bool):
   """One (sequence b, kv head h, role r) program: r < G rotates query head h·G + r into row r of q;
   r = G rotates the key head and writes it into the k stack, and zeroes q's rows G..R-1; r = G + 1
-  writes the value head into the v stack. part_ref [P, C, M8] f32, written_ref [P, T] int32, cos_ref,
-  sin_ref [B, H] f32; refs: (bias stacks [L, N·H], [L, K·H], [L, K·H] when biased), the two input
-  stacks (aliased, unread), then q_ref [R, H] (this kv head's rows), k_ref, v_ref [L, B, S, K, H].
+  writes the value head into the v stack. refs: written_ref [P, T] int32 (when `table`; without it every
+  slot is written), part_ref [P, C, M8] f32, cos_ref, sin_ref [B, H] f32, (bias stacks [L, N·H], [L, K·H],
+  [L, K·H] when biased), the two input stacks (aliased, unread), then q_ref [R, H] (this kv head's
+  rows), k_ref, v_ref [L, B, S, K, H].
   A program makes two loads per slot and at most two stores, after all its loads."""
-  *biases, _, _, q_ref, k_ref, v_ref = refs
+  written_ref, refs = (refs[0], refs[1:]) if table else (None, refs)
+  part_ref, cos_ref, sin_ref, *biases, _, _, q_ref, k_ref, v_ref = refs
   b, h, role = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   slots = part_ref.shape[0]
   rows, head_dim = q_ref.shape
@@ -69,7 +71,7 @@ def _kernel(layer_ref, pos_ref, written_ref, part_ref, cos_ref, sin_ref, *refs, 
     total = jnp.zeros((half,), jnp.float32)
     for p in range(slots):
       part = part_ref[p, pl.ds(column, half), b]
-      total = total + jnp.where(written_ref[p, tile] != 0, part, 0.0)
+      total = total + (part if written_ref is None else jnp.where(written_ref[p, tile] != 0, part, 0.0))
     y = total.astype(dtype)
     if bias_ref is not None:
       y = (y.astype(jnp.float32) + bias_ref[layer, pl.ds(bias_column, half)].astype(jnp.float32)).astype(dtype)
@@ -109,16 +111,27 @@ def _kernel(layer_ref, pos_ref, written_ref, part_ref, cos_ref, sin_ref, *refs, 
               value(start + half, bv, h * head_dim + half).astype(dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "tile_n", "rows", "interpret", "poison"))
 def qkv_rope_write(partials, written, cos, sin, positions, k_stack, v_stack, layer, biases=(), *, heads: int,
                    tile_n: int, rows: int = 16, interpret: bool = False, poison: bool = False):
   """(q_rows [B, K, rows, H], k_stack, v_stack): see the module docstring.
 
-  partials [P, (heads + 2K)·H, M8] f32 (column b: sequence b; M8 >= B); written [P, T] (bool or int,
-  T = columns / tile_n); cos, sin [B, H] f32 (the token's angles, halves repeated); positions [B]
-  int32; k_stack, v_stack [L, B, S, K, H] (updated in place); layer an int32 scalar; biases () or
-  the three stacks [L, heads·H], [L, K·H], [L, K·H]. poison=True (tests) starts q from NaN.
+  partials [P, (heads + 2K)·H, M8] f32 (column b: sequence b; M8 >= B); written [P, T] (a host array
+  of bools, T = columns / tile_n: a static property of the GEMM's schedule); cos, sin [B, H] f32 (the
+  token's angles, halves repeated); positions [B] int32; k_stack, v_stack [L, B, S, K, H] (updated in
+  place); layer an int32 scalar; biases () or the three stacks [L, heads·H], [L, K·H], [L, K·H].
+  poison=True (tests) starts q from NaN. Where every slot is written the kernel takes no table (as an
+  input it would be a constant that XLA rebuilds with a broadcast kernel inside the layer loop).
   """
+  written = np.asarray(written, bool)
+  return _qkv_rope_write(partials, tuple(map(tuple, written.tolist())), cos, sin, positions, k_stack, v_stack,
+                         layer, tuple(biases), heads=heads, tile_n=tile_n, rows=rows, interpret=interpret,
+                         poison=poison)
+
+
+@functools.partial(jax.jit, static_argnames=("written", "heads", "tile_n", "rows", "interpret", "poison"))
+def _qkv_rope_write(partials, written, cos, sin, positions, k_stack, v_stack, layer, biases, *, heads, tile_n,
+                    rows, interpret, poison):
+  written = np.asarray(written, bool).reshape(len(written), -1)
   slots, columns, m8 = partials.shape
   _, batch, _, kv_heads, head_dim = k_stack.shape
   if k_stack.shape != v_stack.shape or k_stack.dtype != v_stack.dtype:
@@ -137,10 +150,12 @@ def qkv_rope_write(partials, written, cos, sin, positions, k_stack, v_stack, lay
                      f"half head and G <= rows; got heads={heads}, K={kv_heads}, H={head_dim}, rows={rows}")
   if len(biases) not in (0, 3):
     raise ValueError(f"biases must be () or three stacks (q, k, v), got {len(biases)}")
-  body = functools.partial(_kernel, heads=heads, kv_heads=kv_heads, tile_n=tile_n, biased=bool(biases))
+  table = not written.all()
+  body = functools.partial(_kernel, heads=heads, kv_heads=kv_heads, tile_n=tile_n, biased=bool(biases), table=table)
   whole = pl.BlockSpec()
-  inputs = [jnp.asarray(layer, jnp.int32), positions.astype(jnp.int32), jnp.asarray(written, jnp.int32), partials,
-            cos.astype(jnp.float32), sin.astype(jnp.float32), *biases, k_stack, v_stack]
+  inputs = [jnp.asarray(layer, jnp.int32), positions.astype(jnp.int32),
+            *([jnp.asarray(written, jnp.int32)] if table else []), partials, cos.astype(jnp.float32),
+            sin.astype(jnp.float32), *biases, k_stack, v_stack]
   in_specs = [pl.BlockSpec((), lambda b, h, r: ())] + [whole] * (len(inputs) - 1)
   q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, r: (b, h, 0, 0))
   q_shape = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), k_stack.dtype)

@@ -99,7 +99,7 @@ def test_decode_step_runs_the_epilogue_kernel_and_no_cache_write_of_xla(qkv_mode
         return found
 
     found = names(body, [])
-    assert found.count("qkv_rope_write") == 1 and found.count("decode_attention_sync_rows") == 1, found
+    assert found.count("_qkv_rope_write") == 1 and found.count("decode_attention_sync_rows") == 1, found
     assert "xla cache write" not in found and "decode_attention_sync" not in found, found
     assert found.count("split_partials") == 1, found  # the three weight stacks in one GEMM call
 
