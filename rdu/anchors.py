@@ -49,6 +49,9 @@ TPS4 = ("BENCHMARKS.md 2026-11-30 15:09-15:11 UTC, TP2 with the peer-to-peer all
         "(results_allreduce_decode_gpu.json, benchmarks/allreduce_kernel_gpu.py)")
 TPS5 = ("BENCHMARKS.md 2026-11-30 16:40-16:41 UTC, TP2 with the all-reduce kernel doing the residual add "
         "(results_allreduce_decode_gpu_1641.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b)")
+TPS6 = ("BENCHMARKS.md 2026-11-30 19:31-19:33 UTC, with the q·k·v epilogue kernel (kernels/qkv_rope) "
+        "(results_allreduce_decode_gpu_1931.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b "
+        "--70b-kernel-only)")
 A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
 # it, batch-1 rows cannot split the time between per-kernel overhead and M=1 bandwidth, and that split is
@@ -129,6 +132,14 @@ INPLACE_TP_ROWS = (
     GPURow("ours TP2 psum, Llama-3.1-70B b1, 16:41 run", 22.112, "looped_inplace", 1, "report only", TPS5,
            context=1088, n_gpus=2, model="llama-3.1-70b"),
     GPURow("ours TP2 p2p kernel + residual, Llama-3.1-70B b1", 20.868, "looped_inplace", 1, "report only", TPS5,
+           context=1088, n_gpus=2, model="llama-3.1-70b", allreduce="kernel"),
+    # The q·k·v epilogue as one kernel (three XLA kernels fewer per layer than the traced count assumes).
+    GPURow("ours TP1, Llama-3.1-8B b1, 19:31 run", 4.427, "looped_inplace", 1, "report only", TPS6, context=1152),
+    GPURow("ours TP2 psum, Llama-3.1-8B b1, 19:31 run", 3.552, "looped_inplace", 1, "report only", TPS6,
+           context=1152, n_gpus=2),
+    GPURow("ours TP2 p2p kernel, Llama-3.1-8B b1, 19:31 run", 3.113, "looped_inplace", 1, "report only", TPS6,
+           context=1152, n_gpus=2, allreduce="kernel"),
+    GPURow("ours TP2 p2p kernel, Llama-3.1-70B b1, 19:31 run", 19.929, "looped_inplace", 1, "report only", TPS6,
            context=1088, n_gpus=2, model="llama-3.1-70b", allreduce="kernel"),
 )
 # Published, another GPU: reported with the fitted constants, never fitted.
