@@ -3,10 +3,12 @@
     python benchmarks/tp_gap_ab_gpu.py [--variants tp2,tp2:SERIALIZE,tp1@8:CONCURRENT,...] [--hlo]
         # 2 Hopper GPUs; one JSON line per variant on stdout and in $OUT/tp_gap_ab_gpu.jsonl
 
-Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context, the default looped in-place engine on one GPU
-(tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE" sets XLA's
-`--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default); XLA
-flags are read once per process, so each variant runs in its own process. Per variant: the untraced
+Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context, the default looped in-place engine on
+one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE" sets XLA's
+`--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
+"tp1-qkv_attend" turns the q·k·v epilogue kernel off; "tp1+peers" runs one GPU's engine after a psum
+over both GPUs in the same process (NCCL set up, peer access on). XLA reads its flags once per
+process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
 streams), and on the busiest stream the kernel time per step against the untraced step and the
@@ -43,10 +45,16 @@ def measure(variant: str) -> dict:
     from gpu_trace import gpu_pids, track_names, traced_events
 
     tp = 2 if variant.startswith("tp2") else 1
+    if "+peers" in variant:  # one GPU's engine in a process that first ran a psum over both GPUs
+        from jax.sharding import Mesh, PartitionSpec
+        mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+        total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
+                                      out_specs=PartitionSpec()))(jnp.ones((2, 128), jnp.bfloat16))
+        jax.block_until_ready(total)
     if "-qkv_attend" in variant:  # the q·k·v epilogue as XLA's fusions (the hook off)
         from jaxdecode import looped_model
         looped_model.KERNEL_CALLS.pop("qkv_attend")
-    batch = int(variant.split(":")[0].split("-")[0].split("@")[1]) if "@" in variant else 1
+    batch = int(variant.split(":")[0].split("-")[0].split("+")[0].split("@")[1]) if "@" in variant else 1
     model = init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16)
     engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))
     prompts = np.ones((batch, 16), np.int32)
