@@ -123,6 +123,8 @@ def qkv_rope_write(partials, written, cos, sin, positions, k_stack, v_stack, lay
   input it would be a constant that XLA rebuilds with a broadcast kernel inside the layer loop).
   """
   written = np.asarray(written, bool)
+  if written.ndim != 2:
+    raise ValueError(f"written must be a [P, T] array of the GEMM's written slots, got shape {list(written.shape)}")
   return _qkv_rope_write(partials, tuple(map(tuple, written.tolist())), cos, sin, positions, k_stack, v_stack,
                          layer, tuple(biases), heads=heads, tile_n=tile_n, rows=rows, interpret=interpret,
                          poison=poison)

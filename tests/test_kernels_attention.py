@@ -142,6 +142,26 @@ class TestDecodeAttention:
       _close(out[i], ref)
     assert not recomputed.any()
 
+  @pytest.mark.parametrize("shape", [AttentionShape("g4", 2, 1, 32, 8, 128, 128),
+                                     AttentionShape("g7", 3, 1, 28, 4, 64, 192),
+                                     AttentionShape("g1", 1, 1, 4, 4, 64, 64)])
+  def test_sync_rows_equals_sync(self, shape):
+    """q given as the kernel's rows (what kernels.qkv_rope writes: zeros past the group) gives the
+    output of `decode_attention_sync` on q itself, on a stacked cache at a traced layer."""
+    layers = [_inputs(shape, seed=40 + i) for i in range(2)]
+    q, lengths = layers[0][0], layers[0][3]
+    k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
+    v_stack = jnp.stack([v for _, _, v, _ in layers])
+    blocks = da.BlockSizes(32, num_splits=2)
+    rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
+    group = shape.num_heads // shape.num_kv_heads
+    got = da.decode_attention_sync_rows(rows, k_stack, v_stack, lengths - 1, group=group, layer=jnp.int32(1),
+                                        block_sizes=blocks, length_offset=1, interpret=self.INTERPRET, poison=True)
+    want = da.decode_attention_sync(q, k_stack, v_stack, lengths, layer=jnp.int32(1), block_sizes=blocks,
+                                    interpret=self.INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    _close(got, da.decode_attention_reference(q, layers[1][1], layers[1][2], lengths)[0])
+
   @pytest.mark.parametrize("shape,lengths,splits", [
       (AttentionShape("g4", 1, 1, 32, 8, 128, 64), [50], 2),  # a stack is never padded: S = 64, 96
       (AttentionShape("g7", 3, 1, 28, 4, 64, 96), [96, 1, 33], 3)])
@@ -258,6 +278,11 @@ def test_bad_shapes_raise():
   short = _inputs(TEST_ATTENTION["tiny_mha_b2_s65"])  # S = 65: a stack is never padded (copied)
   with pytest.raises(ValueError, match="multiple of block_k"):
     da.decode_attention_sync(short[0], short[1][None], short[2][None], short[3], layer=0, interpret=True)
+  rows = da._to_rows(q, k.shape[2])  # [B, K, R, H]
+  with pytest.raises(ValueError, match="stacked caches"):  # the rows form reads stacks only
+    da.decode_attention_sync_rows(rows, k, v, lengths, group=1, layer=0, interpret=True)
+  with pytest.raises(ValueError, match="group"):
+    da.decode_attention_sync_rows(rows, k[None], v[None], lengths, group=rows.shape[2] + 1, layer=0, interpret=True)
 
 
 def test_new_kv_needs_a_stack_one_token_and_the_cache_dtype():

@@ -125,6 +125,8 @@ class TestQkvRopeWrite:
       call(heads=6)
     with pytest.raises(ValueError, match="written"):
       call(written=written[:, :-1])
+    with pytest.raises(ValueError, match="written"):
+      call(written=written[0])
     with pytest.raises(ValueError, match="cos, sin"):
       call(cos=cos[:, :8])
     with pytest.raises(ValueError, match="k and v stacks"):
