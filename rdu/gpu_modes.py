@@ -1,9 +1,11 @@
 """GPU mode "looped_inplace": our engine's decode step, kernel by kernel.
 
 The default engine loops the layers in one `lax.scan` and reads everything in place with Pallas kernels.
-XLA's default command buffers capture the loop body (~17 kernels: fusions and Pallas/Mosaic calls) as one
-CUDA graph, launched once per layer; inside it kernels run back to back with no gap (the ~4 us between
-the per-layer graphs in profiler traces is not there untraced; BENCHMARKS.md). Per layer it runs:
+XLA's default command buffers capture the loop body (fusions and Pallas/Mosaic calls: 17 per layer in the
+10:35 suite the model is fitted to, 13 in the 19:31 build at batch 1, 15 with TP2) as one
+CUDA graph, launched once per layer; inside it kernels run back to back with no gap on one GPU (the ~4 us
+between the per-layer graphs in profiler traces is not there untraced; BENCHMARKS.md). A 2-GPU program
+shows ~0.45 us between its kernels, which this mode does not charge. Per layer it runs:
 
 - one flat GEMM per group of projections that read the same input (one kernel for q, k, v, one
   SwiGLU kernel for gate + up) and one each for o and down, reading the stacked weights [L, K, N]: bytes / (flat GEMM efficiency(M) * peak), with
