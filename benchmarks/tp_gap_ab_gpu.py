@@ -82,12 +82,13 @@ def measure(variant: str) -> dict:
     step = evs[starts[-2] + 1: starts[-1] + 1]
     gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(step, step[1:])]
     inner = [g for g in gaps if g < 2.0]  # leave out the per-layer CUDA-graph boundaries (~4 µs)
-    row = dict(variant=variant, tp=tp, batch=batch, temp_bytes=temp, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+    row = dict(variant=variant, tp=tp, batch=batch, temp_bytes=temp, jax=jax.__version__,
+               xla_flags=os.environ.get("XLA_FLAGS", ""),
                untraced_step_us=round(step_us, 1), all_step_us=[round(t.decode_s / t.steps * 1e6, 1) for t in runs],
                step_kernel_us=round(sum(e["dur"] for e in step), 1), kernels_per_step=len(step),
                median_inner_gap_us=round(float(np.median(inner)), 3), mean_inner_gap_us=round(float(np.mean(inner)), 3),
-               boundary_gaps=len(gaps) - len(inner), boundary_gap_us=round(float(np.median([g for g in gaps if g >= 2.0]
-                                                                                            or [0.0])), 2),
+               boundary_gaps=len(gaps) - len(inner),
+               boundary_gap_us=round(float(np.median([g for g in gaps if g >= 2.0] or [0.0])), 2),
                layer=[[e["name"][:40], round(e["dur"], 2), round(g, 2)] for e, g in
                       zip(step[len(step) // 2: len(step) // 2 + 20], gaps[len(step) // 2 - 1:])],
                streams={str(tid): len(v) for tid, v in sorted(streams.items(), key=lambda kv: -len(kv[1]))},

@@ -124,6 +124,19 @@ def kernel_swiglu(x, w_gate, w_up, *, impl: str | None = None,
     return [y.reshape(*lead, f)]
 
 
+def _qkv_stream_fits(m: int, d: int, widths, dtype, blocks: flat_gemm_stream.StreamBlocks, *, dispatched: bool) -> bool:
+    """Whether the three-weight stream kernel runs x [M, D] · (W_q, W_k, W_v) ([D, N_i]): widths and D in
+    whole tiles, and, when `dispatched`, `kernels.dispatch` picks a kernel for the fused width ΣN_i, M is
+    within the Mosaic kernel's limit and two pipeline stages fit (a long prefill chunk may not)."""
+    if d % blocks.tile_k or any(n % blocks.tile_n for n in widths):
+        return False
+    if not dispatched:
+        return True
+    gemm = flat_gemm.BlockSizes(tile_n=blocks.tile_n, tile_k=blocks.tile_k)
+    return (m <= dispatch.MOSAIC_MAX_M and _gemm_impl(m, sum(widths), d, dtype, gemm) is not None
+            and blocks.max_stages(-(-m // 8) * 8, jnp.dtype(dtype).itemsize) >= 2)
+
+
 def kernel_qkv(x, w_q, w_k, w_v, *biases, impl: str | None = None, gemm=None,
                block_sizes: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
                interpret: bool = False):
@@ -145,16 +158,10 @@ def kernel_qkv(x, w_q, w_k, w_v, *biases, impl: str | None = None, gemm=None,
     widths = [w.stack.shape[2] for w in weights]  # N*H, K*H, K*H
     lead = x.shape[:-1]
     m = int(np.prod(lead, dtype=int))
-    if d % block_sizes.tile_k or any(n % block_sizes.tile_n for n in widths):
-        return None
-    if impl is None:
-        gemm_blocks = flat_gemm.BlockSizes(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
-        if m > dispatch.MOSAIC_MAX_M or _gemm_impl(m, sum(widths), d, x.dtype, gemm_blocks) is None:
-            return None
-        if block_sizes.max_stages(-(-m // 8) * 8, x.dtype.itemsize) < 2:  # e.g. a long prefill chunk
-            return None
-    elif impl != "stream":
+    if impl not in (None, "stream"):
         raise ValueError(f"kernel_qkv impl must be None or 'stream', got {impl!r}")
+    if not _qkv_stream_fits(m, d, widths, x.dtype, block_sizes, dispatched=impl is None):
+        return None
     if gemm is None:
         gemm = functools.partial(flat_gemm_stream.flat_gemm_multi, block_sizes=block_sizes, interpret=interpret)
     outs = gemm(x.reshape(m, d), tuple(w.stack for w in weights), w_q.index, out_dtype=x.dtype)
@@ -199,21 +206,13 @@ def kernel_qkv_attend(x, k_cache, v_cache, positions, cos, sin, w_q, w_k, w_v, *
     heads = widths[0] // head_dim
     if tokens != 1 or any(a.stack.dtype != x.dtype for a in (*refs, k_cache, v_cache)):
         return None
-    if d % gemm_blocks.tile_k or any(n % gemm_blocks.tile_n for n in widths):
+    group = heads // kv_heads
+    rows = decode_attention.query_rows(1, group)  # q's rows per kv head, as the attention kernel lays them out
+    if not _qkv_stream_fits(batch, d, widths, x.dtype, gemm_blocks, dispatched=impl is None) \
+            or not qkv_rope.fits(heads, kv_heads, head_dim, gemm_blocks.tile_n, rows):
         return None
     q_spec = jax.ShapeDtypeStruct((batch, 1, heads, head_dim), x.dtype)
-    group = heads // kv_heads
-    rows = max(16, 1 << (group - 1).bit_length())  # as the attention kernel lays out q (`_to_rows`)
-    if not qkv_rope.fits(heads, kv_heads, head_dim, gemm_blocks.tile_n, rows):
-        return None
-    if impl is None:
-        gemm = flat_gemm.BlockSizes(tile_n=gemm_blocks.tile_n, tile_k=gemm_blocks.tile_k)
-        if batch > dispatch.MOSAIC_MAX_M or _gemm_impl(batch, sum(widths), d, x.dtype, gemm) is None \
-                or gemm_blocks.max_stages(-(-batch // 8) * 8, x.dtype.itemsize) < 2:
-            return None
-        if _attention_impl(q_spec, k_cache, v_cache, None, attention_blocks) != "sync":
-            return None
-    elif _attention_impl(q_spec, k_cache, v_cache, "sync", attention_blocks) is None:
+    if _attention_impl(q_spec, k_cache, v_cache, "sync" if impl else None, attention_blocks) != "sync":
         return None
     if partials is None:
         partials = functools.partial(flat_gemm_stream.stream_partials, cfg=gemm_blocks, interpret=interpret)

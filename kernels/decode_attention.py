@@ -48,6 +48,7 @@ from kernels.decode_attention_kernels import (
     _sync_partials,
     _to_rows,
     combine_rows,
+    query_rows,  # noqa: F401 (re-exported: the looped decode's hooks lay q out the same way)
 )
 
 

@@ -284,11 +284,17 @@ def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, 
   return (*outs[:num_out], *(x.reshape(-1, batch, *x.shape[1:]) for x in outs[num_out:]))  # [L, B, S, K, H]
 
 
+def query_rows(tokens: int, group: int) -> int:
+  """R, the query rows per kv head a kernel program takes: T·G padded to a power of two, at least 16
+  (Triton's smallest dot)."""
+  return max(16, pl.next_power_of_2(tokens * group))
+
+
 def _to_rows(q, kv_heads: int):
-  """q [B, T, N, H] -> [B, K, R, H], rows r = t·G + g padded to R = max(16, 2^⌈log2 T·G⌉)."""
+  """q [B, T, N, H] -> [B, K, R, H], rows r = t·G + g padded to R = `query_rows(T, G)`."""
   batch, tokens, heads, head_dim = q.shape
   group = heads // kv_heads
-  rows = max(16, pl.next_power_of_2(tokens * group))
+  rows = query_rows(tokens, group)
   q = q.reshape(batch, tokens, kv_heads, group, head_dim)  # [B, T, K, G, H]
   q = q.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, tokens * group, head_dim)  # [B,K,TG,H]
   return jnp.pad(q, ((0, 0), (0, 0), (0, rows - tokens * group), (0, 0)))  # [B, K, R, H]
