@@ -37,11 +37,12 @@ def lax_index(stack, layer):
     return jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
 
 
-def reference_partials(x, stacks, layer):
+def reference_partials(x, stacks, layer, tile=TILE):
+    """(partials, schedule stand-in) as `flat_gemm_stream.stream_partials` returns them, tiles of `tile`."""
     columns = sum(s.shape[2] for s in stacks)
-    written = np.zeros((3, columns // TILE), bool)
+    written = np.zeros((3, columns // tile), bool)
     written[:2] = True
-    return split_partials(x, stacks, layer), types.SimpleNamespace(written=lambda: written)
+    return split_partials(x, stacks, layer, tile_n=tile), types.SimpleNamespace(written=lambda: written)
 
 
 interpret_qkv_attend = functools.partial(

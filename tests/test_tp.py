@@ -49,6 +49,37 @@ def _random_in_place(cfg, tp: int) -> dict:
     return {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "spread": float(a.std())}
 
 
+def _compare_qkv_attend(cfg) -> dict:
+    """The in-place mode with the q·k·v epilogue hook in interpret mode (a jnp stand-in for the GEMM's
+    partials), on 2 devices and on one: the kernel writes each device's shard of the carried caches."""
+    import functools
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxdecode import looped_model
+    from kernels.decode_attention import BlockSizes as AttentionBlocks
+    from kernels.flat_gemm_stream import StreamBlocks
+    from tests.test_inplace_qkv_attend import reference_partials
+
+    ran = []
+
+    def hook(*args):  # tiles of 8 divide a device's widths (q 24, k and v 8) and hold half a head (4)
+        out = looped_model.kernel_qkv_attend(
+            *args, impl="stream", partials=functools.partial(reference_partials, tile=8),
+            gemm_blocks=StreamBlocks(tile_n=8, tile_k=16), attention_blocks=AttentionBlocks(16, 2), interpret=True)
+        if out is not None:
+            ran.append(args[6].stack.shape[2])  # w_q's width: 48 on one device, 24 on each of two
+        return out
+
+    saved = dict(looped_model.KERNEL_CALLS)
+    looped_model.KERNEL_CALLS["qkv_attend"] = hook  # read when the engines' plans are traced
+    try:
+        out = _compare(cfg, 2, loop=True, mode="inplace")
+    finally:
+        looped_model.KERNEL_CALLS.clear()
+        looped_model.KERNEL_CALLS.update(saved)
+    return {**out, "hook_widths": sorted(set(ran))}
+
+
 def _default_model_tp3() -> dict:
     """The shipped SmolLM2-135M (9 heads, 3 kv heads) over 3 devices: greedy answer of one and of three."""
     from jaxdecode.decode import Engine
@@ -100,6 +131,7 @@ def worker(devices: int) -> dict:
             # the GPU's mode: whole stacks in the scan body, the KV cache updated in the carry (f32 on
             # the CPU: the dots stay XLA dots, no kernel)
             "gqa_inplace": _compare(gqa, 2, loop=True, generate=False, mode="inplace"),
+            "gqa_inplace_qkv_attend": _compare_qkv_attend(gqa),
             "random_in_place": _random_in_place(gqa, 2),
             "engine_freed": _engine_freed(gqa),
         }
@@ -132,6 +164,7 @@ def results():
 
 @pytest.mark.parametrize("devices, case", [
     (2, "gqa_unrolled"), (2, "gqa_looped"), (2, "tied_looped"), (2, "vocab_even_looped"), (2, "gqa_inplace"),
+    (2, "gqa_inplace_qkv_attend"),
     (4, "qwen2_bias_looped"), (4, "mha_looped"), (4, "mha_unrolled"),
 ])
 def test_tp_logits_equal_one_device(results, devices, case):
@@ -141,8 +174,8 @@ def test_tp_logits_equal_one_device(results, devices, case):
     assert r["shape"] == [2, 7, v]  # padded vocab entries are cut before anyone samples them
 
 
-@pytest.mark.parametrize("devices, case", [(2, "gqa_unrolled"), (2, "gqa_looped"), (4, "qwen2_bias_looped"),
-                                           (4, "mha_looped")])
+@pytest.mark.parametrize("devices, case", [(2, "gqa_unrolled"), (2, "gqa_looped"), (2, "gqa_inplace_qkv_attend"),
+                                           (4, "qwen2_bias_looped"), (4, "mha_looped")])
 def test_tp_greedy_tokens_equal_one_device(results, devices, case):
     r = results[devices][case]
     assert r["tokens_tp"] == r["tokens_one"]
@@ -152,6 +185,12 @@ def test_tp_greedy_tokens_equal_one_device(results, devices, case):
 def test_default_model_on_3_devices_answers_like_one(results):
     r = results[4]["default_model_tp3"]
     assert r["tokens_tp"] == r["tokens_one"] and "Paris" in r["text"]
+
+
+def test_tp_runs_the_qkv_epilogue_kernel(results):
+    """The hook ran (did not decline) in the decode steps compared above, on one device (q width 48) and on
+    each of the two (24)."""
+    assert results[2]["gqa_inplace_qkv_attend"]["hook_widths"] == [24, 48]
 
 
 def test_timed_tp_engine_is_freed(results):
