@@ -3,6 +3,7 @@ the timeline render, no console errors, expanding the looped layer shows its ops
 recolors the nodes, and the 70B page loads in under 2 s."""
 
 import os
+import re
 import time
 
 import pytest
@@ -70,10 +71,13 @@ def test_70b_report_renders_and_expands(browser, page_70b, tmp_path):
     for i in range(2):
         norms.nth(i).click()
     assert loop.locator("g.op.k-reduction").evaluate_all(visible) == reductions + 2  # one mean of squares each
+    # a call's summary reads "<op> <name> <n> ops ...": match the name as a whole word
+    call = lambda name: loop.locator("details.call > summary").filter(has_text=re.compile(rf"\b{name}\s"))  # noqa: E731
+    call("qkv_attend").first.click()  # projections, RoPE and attend: a nested call, collapsed
     after = page.evaluate(VISIBLE_OPS)
-    assert after > before + 50  # one layer body: matmuls, attention, mlp, the norms' ops
+    assert after > before + 50  # one layer body: matmuls, attention, mlp, RoPE, the norms' ops
     assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 2  # o, down; q, k, v in qkv, gate, up in swiglu
-    loop.locator("details.call > summary").filter(has_text="qkv").first.click()  # a nested call, collapsed
+    call("qkv").first.click()  # inside qkv_attend, collapsed
     assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 5  # + q, k, v
     loop.locator("details.call > summary").filter(has_text="swiglu").first.click()
     assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 7  # + gate and up
