@@ -188,7 +188,6 @@ def qkv_rope_write_reference(partials, written, cos, sin, positions, k_stack, v_
   """What the model computes, in jnp: the partials combined as `flat_gemm_stream.combine` does, q, k, v
   rounded, biased, rotated (`jaxdecode.model.apply_rope` written out), the rows written with
   `dynamic_update_slice` per sequence, and q laid out as rows (`decode_attention_kernels._to_rows`)."""
-  slots, columns, m8 = partials.shape
   _, batch, _, kv_heads, head_dim = k_stack.shape
   dtype = k_stack.dtype
   mask = jnp.repeat(jnp.asarray(written, bool), tile_n, axis=1)[:, :, None]  # [P, C, 1]

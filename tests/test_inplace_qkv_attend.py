@@ -27,14 +27,11 @@ def split_partials(x, stacks, layer, *, tile_n=TILE):
     x·W over the two halves of K (f32), slot 2 holds NaN and is never written. Returns [3, C, M8]."""
     m, k = x.shape
     m8 = -(-m // 8) * 8
-    w = jnp.concatenate([lax_index(s, layer) for s in stacks], axis=1).astype(jnp.float32)  # [K, C]
+    w = jnp.concatenate([jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in stacks],
+                        axis=1).astype(jnp.float32)  # [K, C]
     x32 = jnp.pad(x.astype(jnp.float32), ((0, m8 - m), (0, 0)))
     halves = [x32[:, :k // 2] @ w[:k // 2], x32[:, k // 2:] @ w[k // 2:]]  # [M8, C] each
     return jnp.stack([h.T for h in halves] + [jnp.full((w.shape[1], m8), jnp.nan)])
-
-
-def lax_index(stack, layer):
-    return jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
 
 
 def reference_partials(x, stacks, layer, tile=TILE):
