@@ -15,6 +15,8 @@ that is the call boundary the kernel-looping pass (`jaxdecode.looping`) finds an
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,19 @@ def tp_residual_add(x: Array, block_out: Array, cfg: ModelConfig) -> Array:
     if cfg.tp_allreduce == "kernel":
         return allreduce.all_reduce(block_out, cfg.tp_axis, residual=x)
     return x + jax.lax.psum(block_out, cfg.tp_axis)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def residual_norm(x: Array, block_out: Array, weight: Array, eps: Array | float, *comm: Array, cfg: ModelConfig
+                  ) -> tuple[Array, Array]:
+    """(s, rms_norm(s) · weight) for s = `tp_residual_add(x, block_out)`: the attention block's residual
+    add and the MLP's input norm. x, block_out [..., D]; weight [D]; `comm` as in `decoder_layer_call`.
+    One module-level jitted call, so the in-place looped decode can run both as one kernel
+    (`looped_model.kernel_residual_norm`): the norm kernel with the add, or under tensor parallelism the
+    all-reduce kernel with the add and the norm."""
+    with allreduce.using_buffers(*comm):
+        s = tp_residual_add(x, block_out, cfg)
+    return s, rms_norm(s, weight, eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -243,9 +258,11 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, k_cache, v_cache, positions, cos, sin):  # x: [B, T, D]; caches [B, S, K, H]
         with jax.named_scope("attention"):
             attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, positions, cos, sin)
-            x = tp_residual_add(x, attn, self.cfg)
         with jax.named_scope("mlp"):
-            x = tp_residual_add(x, self.mlp(self.post_attention_layernorm(x)), self.cfg)
+            norm = self.post_attention_layernorm
+            x, h = residual_norm(x, attn, norm.weight[...], np.float32(norm.eps), *allreduce.current_buffers(),
+                                 cfg=self.cfg)  # the attention's residual add, the MLP's input norm
+            x = tp_residual_add(x, self.mlp(h), self.cfg)
         return x, k_cache, v_cache
 
 

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
-from jaxdecode.looped_model import KERNEL_CALLS, LOOP_MODES, kernel_stacked_dot
+from jaxdecode.looped_model import LOOP_MODES, kernel_calls, kernel_stacked_dot
 from jaxdecode.looping import LoopPlan, Packed, kernel_loop
 from jaxdecode.model import Transformer, rope_cos_sin, rope_inv_freq
 from kernels import allreduce as kernels_allreduce
@@ -263,7 +263,7 @@ class TPForward:
                 self._local_forward, *args,
                 index_mode="slice" if self.mode == "slice" else "whole", packed_outputs={1: _K, 2: _V},
                 stacked_dot=kernel_stacked_dot if self.mode == "inplace" else None,
-                stacked_calls=KERNEL_CALLS if self.mode == "inplace" else None))
+                stacked_calls=kernel_calls(c) if self.mode == "inplace" else None))
         return self._plans[key]
 
     def forward(self, params, tokens, positions, cache: KVCache):

@@ -29,7 +29,9 @@ against psum, bit for bit, also over 50 dependent calls.
 
 `all_reduce(x, axis, residual=r)` is r + psum(x): the barrier-free kernel then also does the residual
 add that follows each tensor-parallel block (rounded exactly as the two ops round), one XLA kernel
-fewer per all-reduce.
+fewer per all-reduce. `all_reduce_persistent(..., norm=(weights, layer, eps))` also does the RMSNorm
+that follows the attention block's all-reduce (`model.residual_norm`, through the in-place loop's
+hook): one reduction over the warpgroup per row, the weight row read in place from its stack.
 """
 
 from __future__ import annotations
@@ -128,10 +130,16 @@ def _exchange(ctx, count_ref, own_flag, peer_flag):
 _exchange_flags = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(_exchange)
 
 
-def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: int):
+def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: int, residual: bool,
+                       norm: tuple[int, float] | None):
   """x_ref [N]; state_ref [4] int32 and mailbox_ref [4, MAX] persist across calls (inputs); refs: the
-  residual r [N] when given, then the output y [N] = Σ x (+ r), rounded as `r + psum(x)` rounds."""
-  *residual, y_ref = refs
+  residual r [N] when `residual`; the layer index [1] int32 and the norm weights [L, D] when `norm` =
+  (D, eps); then the output y [N] = Σ x (+ r), rounded as `r + psum(x)` rounds, and with `norm` the
+  RMSNorm of each row of y (D elements) [N], rounded as `model.rms_norm` rounds."""
+  refs = list(refs)
+  r_ref = refs.pop(0) if residual else None
+  layer_ref, w_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
+  y_ref, *normed_ref = refs
   me = lax.axis_index(axis)
   peer = 1 - me
   # This call's set: rows first, first + 1. The parity is the count's low bit, right for negative
@@ -144,13 +152,32 @@ def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: i
     mailbox_ref[first + me, pl.ds(start, chunk)] = x
     plgpu.remote_ref(mailbox_ref.at[first + me, pl.ds(start, chunk)], peer)[...] = x
   _exchange_flags(word(_COUNT), word(_ARRIVED), plgpu.remote_ref(word(_ARRIVED), peer))
-  for start in range(0, size, chunk):
-    part = pl.ds(start, chunk)
+
+  def summed(part):  # y[part], stored, and returned in float32
     total = mailbox_ref[first, part].astype(jnp.float32) + mailbox_ref[first + 1, part].astype(jnp.float32)
     total = total.astype(y_ref.dtype)  # the psum's rounding
-    if residual:  # then the residual add's: one rounding of r + sum, as XLA adds two bf16 values
-      total = (residual[0][part].astype(jnp.float32) + total.astype(jnp.float32)).astype(y_ref.dtype)
+    if r_ref is not None:  # then the residual add's: one rounding of r + sum, as XLA adds two bf16 values
+      total = (r_ref[part].astype(jnp.float32) + total.astype(jnp.float32)).astype(y_ref.dtype)
     y_ref[part] = total
+    return total.astype(jnp.float32)
+
+  if norm is None:
+    for start in range(0, size, chunk):
+      summed(pl.ds(start, chunk))
+    return
+  dim, eps = norm
+  layer = layer_ref[0]
+  for row in range(0, size, dim):  # each row's chunks stay in registers between the two passes
+    cols = range(0, dim, chunk)
+    totals = [summed(pl.ds(row + col, chunk)) for col in cols]
+    squares = totals[0] * totals[0]
+    for total in totals[1:]:
+      squares = squares + total * total
+    scale = lax.rsqrt(jnp.sum(squares) / dim + eps)  # one reduction over the warpgroup per row
+    for col, total in zip(cols, totals):
+      normed = (total * scale).astype(y_ref.dtype)  # the model's first rounding, then the weight's
+      weight = w_ref[layer, pl.ds(col, chunk)].astype(jnp.float32)
+      normed_ref[0][pl.ds(row + col, chunk)] = (normed.astype(jnp.float32) * weight).astype(y_ref.dtype)
 
 
 def persistent_buffers(mesh, axis: str, dtype, start: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -169,11 +196,15 @@ def persistent_buffers(mesh, axis: str, dtype, start: int = 0) -> tuple[jax.Arra
 
 
 def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: jax.Array,
-                          residual: jax.Array | None = None) -> jax.Array:
+                          residual: jax.Array | None = None, norm: tuple | None = None):
   """Σ over the 2-device mesh axis `axis` of x (plus `residual`, of x's shape and dtype, when given:
   the block's residual add in the same kernel), by the barrier-free kernel (no XLA barrier, no
   zeroing): state [4] int32 and mailbox [4, MAX_ELEMENTS] are this device's shards of
-  `persistent_buffers`, the same arrays at every call. Inside shard_map on Hopper GPUs."""
+  `persistent_buffers`, the same arrays at every call. Inside shard_map on Hopper GPUs.
+
+  norm = (weights [L, D], layer, eps): also the RMSNorm that follows the sum, `weights[layer] * y /
+  rms(y)` over each row of y [..., D] (`model.residual_norm`); returns (y, normed) then, else y. The
+  weight row is read in place from its stack."""
   flat, chunk = _flat_chunks(x)
   if (lax.axis_size(axis) != 2 or state.shape != (STATE_WORDS,) or mailbox.shape != (MAILBOX_ROWS, MAX_ELEMENTS)
           or mailbox.dtype != x.dtype):
@@ -183,14 +214,28 @@ def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: ja
   if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
     raise ValueError(f"the residual must have x's shape and dtype {x.dtype}{list(x.shape)}; got "
                      f"{residual.dtype}{list(residual.shape)}")
-  extra = () if residual is None else (residual.reshape(-1),)
+  extra = [] if residual is None else [residual.reshape(-1)]
+  norm_params = None
+  if norm is not None:
+    weights, layer, eps = norm
+    dim = x.shape[-1]
+    if weights.ndim != 2 or weights.shape[1] != dim or weights.dtype != x.dtype or dim % 128:
+      raise ValueError(f"the norm weights must be a stack [L, {dim}] of {x.dtype} with D a multiple of 128; "
+                       f"got {weights.dtype}{list(weights.shape)}")
+    chunk = next(c for c in (_CHUNK, 2048, 1024, 512, 256, 128) if dim % c == 0)  # a chunk stays in one row
+    extra += [jnp.asarray(layer, jnp.int32).reshape(1), weights]
+    norm_params = (dim, float(eps))
+  out = jax.ShapeDtypeStruct(flat.shape, x.dtype)
   y = plgpu.kernel(
-      functools.partial(_persistent_kernel, axis=axis, chunk=chunk),
-      out_type=jax.ShapeDtypeStruct(flat.shape, x.dtype),
+      functools.partial(_persistent_kernel, axis=axis, chunk=chunk, residual=residual is not None,
+                        norm=norm_params),
+      out_type=out if norm is None else (out, out),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                            skip_device_barrier=True),
   )(flat, state, mailbox, *extra)
-  return y.reshape(x.shape)
+  if norm is None:
+    return y.reshape(x.shape)
+  return y[0].reshape(x.shape), y[1].reshape(x.shape)
 
 
 def fits(x: jax.Array) -> bool:
@@ -256,15 +301,22 @@ def current_buffers() -> tuple[jax.Array, ...]:
 PERSISTENT_MAX_ELEMENTS = 8192
 
 
+def takes(x: jax.Array, axis: str, buffers=None) -> bool:
+  """Whether `all_reduce` runs x through the barrier-free kernel with `buffers` (state, mailbox), by
+  default those of the innermost `using_buffers`: 2 devices on `axis`, Hopper GPUs, 16-bit x of at most
+  PERSISTENT_MAX_ELEMENTS in a mailbox of its dtype."""
+  buffers = (_PERSISTENT[-1] if _PERSISTENT else ()) if buffers is None else buffers
+  return (len(buffers) == 2 and lax.axis_size(axis) == 2 and fits(x) and x.size <= PERSISTENT_MAX_ELEMENTS
+          and buffers[1].dtype == x.dtype and on_hopper())
+
+
 def all_reduce(x: jax.Array, axis: str, residual: jax.Array | None = None) -> jax.Array:
   """lax.psum(x, axis) (plus `residual` when given, the residual add that follows a block's
-  all-reduce), by the barrier-free kernel where it pays: inside `using_buffers`, on 2 Hopper GPUs,
-  for 16-bit x of at most PERSISTENT_MAX_ELEMENTS (with the residual added in the kernel: one launch
-  fewer); by `lax.psum` (then the add) everywhere else. (The kernel behind XLA's barrier,
+  all-reduce), by the barrier-free kernel where it pays (`takes`: inside `using_buffers`, on 2 Hopper
+  GPUs, for 16-bit x of at most PERSISTENT_MAX_ELEMENTS; with the residual added in the kernel: one
+  launch fewer); by `lax.psum` (then the add) everywhere else. (The kernel behind XLA's barrier,
   `all_reduce_kernel`, is slower than psum at every size measured, so it is never picked here.)"""
-  if (_PERSISTENT and lax.axis_size(axis) == 2 and fits(x) and x.size <= PERSISTENT_MAX_ELEMENTS
-          and _PERSISTENT[-1][1].dtype == x.dtype and on_hopper()
-          and (residual is None or (residual.shape, residual.dtype) == (x.shape, x.dtype))):
+  if takes(x, axis) and (residual is None or (residual.shape, residual.dtype) == (x.shape, x.dtype)):
     return all_reduce_persistent(x, axis, *_PERSISTENT[-1], residual=residual)
   total = lax.psum(x, axis)
   return total if residual is None else residual + total

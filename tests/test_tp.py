@@ -80,6 +80,40 @@ def _compare_qkv_attend(cfg) -> dict:
     return {**out, "hook_widths": sorted(set(ran))}
 
 
+def _compare_residual_norm(cfg) -> dict:
+    """The in-place mode with the `residual_norm` hook: on one device the norm kernel with the add (interpret
+    mode); on 2 devices a psum-based stand-in for the all-reduce kernel with the add and the norm (Mosaic
+    GPU's interpreter has no peer memory), so what is checked there is the hook's wiring: bound to the mesh
+    axis, it all-reduces the partial sums before adding them."""
+    import jax
+
+    from jaxdecode import looped_model
+    from kernels.rms_norm import rms_norm_reference
+
+    ran = []
+
+    def all_reduce_norm(block_out, axis, *comm, residual, norm):
+        weights, layer, eps = norm
+        total = residual + jax.lax.psum(block_out, axis)
+        return total, rms_norm_reference(total, weights, layer, eps=eps)
+
+    def hook(*args, axis, allreduce_impl):
+        out = looped_model.kernel_residual_norm(*args, axis=axis, allreduce_impl=allreduce_impl, impl="triton",
+                                                all_reduce_norm=all_reduce_norm, interpret=True)
+        if out is not None:
+            ran.append(str(axis))
+        return out
+
+    saved = dict(looped_model.CONFIG_CALLS)
+    looped_model.CONFIG_CALLS["residual_norm"] = hook  # bound to each engine's config when its plans are traced
+    try:
+        out = _compare(cfg, 2, loop=True, mode="inplace")
+    finally:
+        looped_model.CONFIG_CALLS.clear()
+        looped_model.CONFIG_CALLS.update(saved)
+    return {**out, "hook_axes": sorted(set(ran))}
+
+
 def _default_model_tp3() -> dict:
     """The shipped SmolLM2-135M (9 heads, 3 kv heads) over 3 devices: greedy answer of one and of three."""
     from jaxdecode.decode import Engine
@@ -132,6 +166,7 @@ def worker(devices: int) -> dict:
             # the CPU: the dots stay XLA dots, no kernel)
             "gqa_inplace": _compare(gqa, 2, loop=True, generate=False, mode="inplace"),
             "gqa_inplace_qkv_attend": _compare_qkv_attend(gqa),
+            "gqa_inplace_residual_norm": _compare_residual_norm(gqa),
             "random_in_place": _random_in_place(gqa, 2),
             "engine_freed": _engine_freed(gqa),
         }
@@ -164,7 +199,7 @@ def results():
 
 @pytest.mark.parametrize("devices, case", [
     (2, "gqa_unrolled"), (2, "gqa_looped"), (2, "tied_looped"), (2, "vocab_even_looped"), (2, "gqa_inplace"),
-    (2, "gqa_inplace_qkv_attend"),
+    (2, "gqa_inplace_qkv_attend"), (2, "gqa_inplace_residual_norm"),
     (4, "qwen2_bias_looped"), (4, "mha_looped"), (4, "mha_unrolled"),
 ])
 def test_tp_logits_equal_one_device(results, devices, case):
@@ -175,6 +210,7 @@ def test_tp_logits_equal_one_device(results, devices, case):
 
 
 @pytest.mark.parametrize("devices, case", [(2, "gqa_unrolled"), (2, "gqa_looped"), (2, "gqa_inplace_qkv_attend"),
+                                           (2, "gqa_inplace_residual_norm"),
                                            (4, "qwen2_bias_looped"), (4, "mha_looped")])
 def test_tp_greedy_tokens_equal_one_device(results, devices, case):
     r = results[devices][case]
@@ -191,6 +227,12 @@ def test_tp_runs_the_qkv_epilogue_kernel(results):
     """The hook ran (did not decline) in the decode steps compared above, on one device (q width 48) and on
     each of the two (24)."""
     assert results[2]["gqa_inplace_qkv_attend"]["hook_widths"] == [24, 48]
+
+
+def test_tp_runs_the_residual_norm_hook(results):
+    """The hook ran in the decode steps compared above, bound to no axis on one device and to the mesh
+    axis on two (where it all-reduces the partial sums it adds)."""
+    assert results[2]["gqa_inplace_residual_norm"]["hook_axes"] == ["None", "tp"]
 
 
 def test_timed_tp_engine_is_freed(results):
