@@ -34,9 +34,8 @@ def main():
     engine = Engine(model)
     for rep in range(2):
         for name, options in VARIANTS.items():
-            chunk = jax.jit(engine._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1,
-                            compiler_options=options)
-            engine.chunk_step = lambda batch, chunk=chunk: chunk  # this variant's chunk at every batch
+            engine._chunk = jax.jit(engine._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1,
+                                    compiler_options=options)
             for batch in (1, 8, 32):
                 prompts = np.ones((batch, 16), np.int32)
                 start = time.perf_counter()

@@ -6,11 +6,9 @@
 Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context, the default looped in-place engine on
 one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE" sets XLA's
 `--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
-"tp1-qkv_attend" turns the q·k·v epilogue kernel off, "-residual_norm" the fused residual add and
-norm (`looped_model.kernel_residual_norm`), "-concurrent" the engine's per-jit concurrent
-command-buffer scheduling at batch 1 (`decode.GPU_CHUNK_OPTIONS`; a ":MODE" variant also drops it);
-"tp1+peers" runs one GPU's engine after a psum
-over both GPUs in the same process (NCCL set up, peer access on). XLA reads its flags once per
+"tp1-qkv_attend" turns the q·k·v epilogue kernel off, "tp2-residual_norm" the all-reduce kernel's
+residual add and norm (`looped_model.kernel_residual_norm`); "tp1+peers" runs one GPU's engine after
+a psum over both GPUs in the same process (NCCL set up, peer access on). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
@@ -55,13 +53,11 @@ def measure(variant: str) -> dict:
         total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
                                       out_specs=PartitionSpec()))(jnp.ones((2, 128), jnp.bfloat16))
         jax.block_until_ready(total)
-    from jaxdecode import decode, looped_model
+    from jaxdecode import looped_model
     if "-qkv_attend" in variant:  # the q·k·v epilogue as XLA's fusions (the hook off)
         looped_model.KERNEL_CALLS.pop("qkv_attend")
-    if "-residual_norm" in variant:  # the attention's residual add and the MLP's norm as two kernels (hook off)
+    if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
-    if ":" in variant or "-concurrent" in variant:  # XLA_FLAGS' mode, or XLA's default, instead of the per-jit one
-        decode.GPU_CHUNK_OPTIONS.clear()
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
     model = init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16)
     engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))

@@ -147,7 +147,7 @@ _COMPILED_ATTR = "_bench_compiled"
 def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int, chunk: int = 32) -> Timing:
     """Prefill prompts [B, P] at positions context.. over a zero prefix, then greedy-decode in chunks.
 
-    The decode chunks are the engine's own jitted chunk function (`Engine.chunk_step`, the same step
+    The decode chunks are the engine's own jitted chunk function (`Engine._chunk`, the same step
     `generate` runs); only the prefill differs from `generate`, which always starts at position 0.
     """
     b, p = prompts.shape
@@ -170,7 +170,7 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
         """Prefill and the decode chunk compiled at once, in two threads (as `Engine._compile_steps`);
         with tensor parallelism the state's shardings come from running prefill, so jit compiles them."""
         if engine.tp > 1:
-            compiled.extend([prefill, lambda params, state, done_ids, pad: engine.chunk_step(b)(
+            compiled.extend([prefill, lambda params, state, done_ids, pad: engine._chunk(
                 params, state, done_ids, pad, steps=chunk, sampling=GREEDY)])
             return
         start = jnp.int32(context)
@@ -178,8 +178,7 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
         spec = jax.ShapeDtypeStruct((), jnp.int32)
         compiled.extend(compile_at_once(
             lambda: prefill.lower(engine.params, cache, tokens, start).compile(),
-            lambda: engine.chunk_step(b).lower(engine.params, state, done_ids, spec, steps=chunk,
-                                               sampling=GREEDY).compile()))
+            lambda: engine._chunk.lower(engine.params, state, done_ids, spec, steps=chunk, sampling=GREEDY).compile()))
 
     def once(chunks: int):
         cache = jax.block_until_ready(new_cache(b, cache_len))

@@ -28,12 +28,6 @@ from jaxdecode.sampling import SamplingParams, sample
 
 Array = jax.Array
 
-# XLA options for the compiled decode chunk, by batch size, on a GPU. At batch 1 XLA's concurrent
-# command-buffer scheduling (the layer's graph as a DAG of its kernels) measured 1.2% (one H200) and
-# 2.2% (2, tensor parallel) faster per token for Llama-3.1-8B, and 0.5% / 3.0% slower at batch 8
-# (BENCHMARKS.md, 2026-11-30), so it is set for batch 1 only.
-GPU_CHUNK_OPTIONS: dict[int, dict[str, str]] = {1: {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}}
-
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -94,18 +88,8 @@ class Engine:
         else:
             self._init_one_device(model, loop_layers, cache_dtype, loop_mode)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)
-        self._chunks: dict = {}  # the jitted chunk function by its compiler options (`chunk_step`)
+        self._chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
         self._executables: dict = {}  # ahead-of-time compiled steps, so that timings exclude compilation
-
-    def chunk_step(self, batch: int):
-        """The jitted decode chunk `(params, state, done_ids, pad_id, *, steps, sampling)` for a batch size:
-        with GPU_CHUNK_OPTIONS[batch] as XLA compiler options on a GPU, else with none."""
-        options = GPU_CHUNK_OPTIONS.get(batch, {}) if jax.default_backend() == "gpu" else {}
-        key = tuple(sorted(options.items()))
-        if key not in self._chunks:
-            self._chunks[key] = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1,
-                                        compiler_options=options or None)
-        return self._chunks[key]
 
     @property
     def tp(self) -> int:
@@ -149,8 +133,7 @@ class Engine:
         else:
             state, _ = jax.eval_shape(functools.partial(self._prefill, sampling=sampling), *prefill_args)
             pad = jax.ShapeDtypeStruct((), jnp.int32)
-            step = lambda: self._compiled(self.chunk_step(state.tokens.shape[0]), prefill_args[0], state,  # noqa: E731
-                                          prefill_args[-1], pad,
+            step = lambda: self._compiled(self._chunk, prefill_args[0], state, prefill_args[-1], pad,  # noqa: E731
                                           timings=scratch, steps=chunk, sampling=sampling)
             compiled = tuple(compile_at_once(prefill, step))
         if scratch:  # something was compiled (not all cached)
@@ -251,8 +234,8 @@ class Engine:
         done = np.asarray(state.done)
         pad = jnp.int32(-1)
         if n_chunks and step_chunk is None:  # tensor parallel: compiled from the sharded state
-            step_chunk = self._compiled(self.chunk_step(len(prompts)), self.params, state, done_ids, pad,
-                                        timings=timings, steps=chunk, sampling=sampling)
+            step_chunk = self._compiled(self._chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk,
+                                        sampling=sampling)
         start = time.perf_counter()
         decoded = 0
         for _ in range(n_chunks):

@@ -10,8 +10,8 @@ Modes (`LOOP_MODES`): "slice" (the scan slices the stacks), "whole" (the body ta
 W[i] in place with `kernels.flat_gemm` where `kernels.dispatch` picks a kernel (`kernel_stacked_dot`),
 the model's `swiglu` call runs as one two-weight kernel (`kernel_swiglu`), its `qkv` call as one
 three-weight stream kernel (`kernel_qkv`), its `rms_norm` calls as one kernel each (`kernel_rms_norm`),
-the attention's residual add with the MLP's input norm as one kernel (`kernel_residual_norm`; under
-tensor parallelism the all-reduce kernel, which also sums the devices' partials),
+under tensor parallelism the attention's all-reduce, residual add and the MLP's input norm as one
+all-reduce kernel (`kernel_residual_norm`),
 the KV cache is written in place in the scan carry, and attention (the model's `sdpa` call) reads
 layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_attention`); for one new
 token per sequence, the model's `qkv_attend` call (projections, RoPE, cache write, attention) runs as
@@ -329,20 +329,19 @@ def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool 
     return [y.reshape(x.shape)]
 
 
-def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str | None, allreduce_impl: str = "psum",
-                         impl: str | None = None, all_reduce_norm=None, interpret: bool = False):
-    """The `stacked_calls["residual_norm"]` hook, bound to the model's config by `kernel_calls`:
-    `model.residual_norm` (s = x + block_out, then the MLP's input norm of s) as one kernel.
+def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_impl: str, all_reduce_norm=None):
+    """The `stacked_calls["residual_norm"]` hook under tensor parallelism, bound to the model's config by
+    `kernel_calls`: `model.residual_norm` (the attention's all-reduce and residual add, then the MLP's
+    input norm) as one barrier-free all-reduce kernel that sums block_out over the devices, adds x and
+    normalizes, the norm weight read in place (`allreduce.all_reduce_persistent(..., norm=...)`).
+    `all_reduce_norm(block_out, axis, state, mailbox, residual=, norm=)` replaces that kernel (tests).
 
-    One device (`axis` None): `kernels.rms_norm` with the residual, which writes s and its norm in one
-    launch (XLA would add in one kernel, then the norm kernel reads s). Tensor parallel (`axis` the mesh
-    axis, `allreduce_impl` "kernel", the all-reduce kernel's buffers `comm`): the barrier-free all-reduce
-    kernel sums block_out over the devices, adds x and normalizes (`allreduce.all_reduce_persistent(...,
-    norm=...)`); `all_reduce_norm(block_out, axis, state, mailbox, residual, norm)` replaces it (tests).
-    x, block_out [..., D]; weight a `StackedRef` of the [L, D] stack; eps the model's (a constant).
-    Returns [s, normed], or None (the call is then evaluated as written: the add or the all-reduce, then
-    the `rms_norm` hook): when eps is not a constant, under tensor parallelism where the all-reduce
-    kernel does not take block_out, and with `impl=None` where `kernel_rms_norm` would decline.
+    x, block_out [..., D] (block_out this device's partial sum); weight a `StackedRef` of the [L, D]
+    stack; eps the model's (a constant); comm the kernel's (state, mailbox). Returns [s, normed], or
+    None (the call is then evaluated as written: the all-reduce, then the `rms_norm` hook) where the
+    all-reduce kernel does not take block_out (`allreduce.takes`), with psum, and when eps is not a
+    constant. One device has no such hook: there XLA fuses the o-projection's split sum with the
+    residual add, and a norm kernel that also adds measured slower (BENCHMARKS.md).
     """
     if not isinstance(weight, StackedRef) or any(isinstance(a, StackedRef) for a in (x, block_out, *comm)) \
             or x.dtype != weight.stack.dtype or block_out.shape != x.shape or block_out.dtype != x.dtype:
@@ -351,20 +350,10 @@ def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str | None, all
         eps = float(eps)
     except (TypeError, jax.errors.ConcretizationTypeError):
         return None
-    if axis is not None:
-        if allreduce_impl != "kernel" or not (all_reduce_norm or allreduce.takes(block_out, axis, comm)):
-            return None
-        reduce = all_reduce_norm or allreduce.all_reduce_persistent
-        return list(reduce(block_out, axis, *comm, residual=x, norm=(weight.stack, weight.index, eps)))
-    if impl is None:
-        if x.dtype not in (jnp.bfloat16, jnp.float16) or dispatch.table_for()[0] is None:
-            return None
-    elif impl != "triton":
-        raise ValueError(f"kernel_residual_norm impl must be None or 'triton', got {impl!r}")
-    d = x.shape[-1]
-    s, normed = rms_norm.rms_norm(x.reshape(-1, d), weight.stack, weight.index, eps=eps,
-                                  residual=block_out.reshape(-1, d), interpret=interpret)
-    return [s.reshape(x.shape), normed.reshape(x.shape)]
+    if allreduce_impl != "kernel" or not (all_reduce_norm or allreduce.takes(block_out, axis, comm)):
+        return None
+    reduce = all_reduce_norm or allreduce.all_reduce_persistent
+    return list(reduce(block_out, axis, *comm, residual=x, norm=(weight.stack, weight.index, eps)))
 
 
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
@@ -375,14 +364,16 @@ KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel
                 "qkv_attend": kernel_qkv_attend}
 
 
-# Hooks that need the model's config, bound by `kernel_calls`. `residual_norm` (2026-11-30, H200s, Llama-3.1-8B
-# at 1k, batch 1): see BENCHMARKS.md.
+# Hooks for a tensor-parallel config, bound to its mesh axis and all-reduce by `kernel_calls`.
+# `residual_norm` (2026-11-30, 2 H200s, Llama-3.1-8B at 1k, batch 1): 3.176 -> 3.120 ms/token.
 CONFIG_CALLS = {"residual_norm": kernel_residual_norm}
 
 
 def kernel_calls(cfg: ModelConfig) -> dict:
-    """KERNEL_CALLS and CONFIG_CALLS, the latter bound to cfg's tensor-parallel axis and all-reduce (under
-    tensor parallelism `residual_norm`'s block output is a partial sum, not to be added as if whole)."""
+    """The hooks of the in-place loop for cfg: KERNEL_CALLS, and under tensor parallelism (cfg.tp_axis set)
+    CONFIG_CALLS bound to cfg's mesh axis and all-reduce."""
+    if cfg.tp_axis is None:
+        return dict(KERNEL_CALLS)
     bound = {name: functools.partial(hook, axis=cfg.tp_axis, allreduce_impl=cfg.tp_allreduce)
              for name, hook in CONFIG_CALLS.items()}
     return {**KERNEL_CALLS, **bound}

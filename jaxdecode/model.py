@@ -44,9 +44,8 @@ def residual_norm(x: Array, block_out: Array, weight: Array, eps: Array | float,
                   ) -> tuple[Array, Array]:
     """(s, rms_norm(s) · weight) for s = `tp_residual_add(x, block_out)`: the attention block's residual
     add and the MLP's input norm. x, block_out [..., D]; weight [D]; `comm` as in `decoder_layer_call`.
-    One module-level jitted call, so the in-place looped decode can run both as one kernel
-    (`looped_model.kernel_residual_norm`): the norm kernel with the add, or under tensor parallelism the
-    all-reduce kernel with the add and the norm."""
+    One module-level jitted call, so that under tensor parallelism the in-place looped decode can run
+    the all-reduce, the add and the norm as one kernel (`looped_model.kernel_residual_norm`)."""
     with allreduce.using_buffers(*comm):
         s = tp_residual_add(x, block_out, cfg)
     return s, rms_norm(s, weight, eps)

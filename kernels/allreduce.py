@@ -147,37 +147,42 @@ def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: i
   first = 2 * jnp.bitwise_and(state_ref[_COUNT] + 1, 1)
   word = lambda i: state_ref.at[pl.ds(i, 1)]
   size = x_ref.shape[0]
-  for start in range(0, size, chunk):
-    x = x_ref[pl.ds(start, chunk)]
-    mailbox_ref[first + me, pl.ds(start, chunk)] = x
-    plgpu.remote_ref(mailbox_ref.at[first + me, pl.ds(start, chunk)], peer)[...] = x
+  parts = [pl.ds(start, chunk) for start in range(0, size, chunk)]
+  for part in parts:
+    x = x_ref[part]
+    mailbox_ref[first + me, part] = x
+    plgpu.remote_ref(mailbox_ref.at[first + me, part], peer)[...] = x
+  # What does not come from the peer is loaded before the wait, so its latency hides behind the peer's.
+  residuals = [r_ref[part].astype(jnp.float32) for part in parts] if r_ref is not None else None
+  if norm:
+    dim, eps = norm
+    layer = layer_ref[0]
+    weights = [w_ref[layer, pl.ds(col, chunk)].astype(jnp.float32) for col in range(0, dim, chunk)]
   _exchange_flags(word(_COUNT), word(_ARRIVED), plgpu.remote_ref(word(_ARRIVED), peer))
 
-  def summed(part):  # y[part], stored, and returned in float32
+  def summed(i):  # y's chunk i, stored, and returned in float32
+    part = parts[i]
     total = mailbox_ref[first, part].astype(jnp.float32) + mailbox_ref[first + 1, part].astype(jnp.float32)
     total = total.astype(y_ref.dtype)  # the psum's rounding
-    if r_ref is not None:  # then the residual add's: one rounding of r + sum, as XLA adds two bf16 values
-      total = (r_ref[part].astype(jnp.float32) + total.astype(jnp.float32)).astype(y_ref.dtype)
+    if residuals is not None:  # then the residual add's: one rounding of r + sum, as XLA adds two bf16 values
+      total = (residuals[i] + total.astype(jnp.float32)).astype(y_ref.dtype)
     y_ref[part] = total
     return total.astype(jnp.float32)
 
-  if norm is None:
-    for start in range(0, size, chunk):
-      summed(pl.ds(start, chunk))
+  if not norm:
+    for i in range(len(parts)):
+      summed(i)
     return
-  dim, eps = norm
-  layer = layer_ref[0]
-  for row in range(0, size, dim):  # each row's chunks stay in registers between the two passes
-    cols = range(0, dim, chunk)
-    totals = [summed(pl.ds(row + col, chunk)) for col in cols]
+  per_row = dim // chunk
+  for row in range(0, len(parts), per_row):  # each row's chunks stay in registers between the two passes
+    totals = [summed(row + j) for j in range(per_row)]
     squares = totals[0] * totals[0]
     for total in totals[1:]:
       squares = squares + total * total
     scale = lax.rsqrt(jnp.sum(squares) / dim + eps)  # one reduction over the warpgroup per row
-    for col, total in zip(cols, totals):
+    for j, total in enumerate(totals):
       normed = (total * scale).astype(y_ref.dtype)  # the model's first rounding, then the weight's
-      weight = w_ref[layer, pl.ds(col, chunk)].astype(jnp.float32)
-      normed_ref[0][pl.ds(row + col, chunk)] = (normed.astype(jnp.float32) * weight).astype(y_ref.dtype)
+      normed_ref[0][parts[row + j]] = (normed.astype(jnp.float32) * weights[j]).astype(y_ref.dtype)
 
 
 def persistent_buffers(mesh, axis: str, dtype, start: int = 0) -> tuple[jax.Array, jax.Array]:

@@ -32,7 +32,6 @@ interpret_attention = functools.partial(kernel_attention, impl="sync", block_siz
 interpret_attend = functools.partial(kernel_attend, impl="sync", block_sizes=AttentionBlocks(16, 2), interpret=True)
 interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
 interpret_norm = functools.partial(kernel_rms_norm, impl="triton", interpret=True)
-interpret_residual_norm = functools.partial(kernel_residual_norm, axis=None, impl="triton", interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames="out_dtype")
@@ -251,45 +250,23 @@ def test_engine_inplace_cache_never_copied(tiny, batch, write, attend):
     assert names.count("scatter") == 2 and "dynamic_update_slice" not in names
 
 
-def _residual_adds(body, dim):
-    """The body's adds of two [..., D] activations (the residual adds XLA runs as kernels)."""
-    return [e for e in body.eqns if e.primitive.name == "add" and e.outvars[0].aval.shape[-1:] == (dim,)
-            and all(getattr(a, "aval", None) is not None and a.aval.ndim >= 2 for a in e.invars)]
-
-
-def test_engine_residual_norm_hook(tiny):
-    """The attention's residual add and the MLP's input norm as one kernel (`kernel_residual_norm`, interpret
-    mode): the unrolled model's greedy tokens and logits, and one residual add per layer left to XLA (the
-    MLP's) instead of two."""
-    def engine():
-        e = _inplace_engine(tiny)
-        e._plan._calls["residual_norm"] = interpret_residual_norm
-        return e
-
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
-    kwargs = dict(max_new_tokens=6, chunk=3)
-    assert engine().generate(prompts, **kwargs).token_ids == Engine(tiny, loop_layers=False).generate(
-        prompts, **kwargs).token_ids
-    tokens = np.random.default_rng(0).integers(0, tiny.cfg.vocab_size, (2, 7))
-    np.testing.assert_allclose(engine().forward_logits(tokens), Engine(tiny, loop_layers=False).forward_logits(tokens),
-                               rtol=RTOL, atol=ATOL)
-    dim = tiny.cfg.dim
-    assert len(_residual_adds(_scan_body(_decode_step_jaxpr(engine())), dim)) == 1
-    assert len(_residual_adds(_scan_body(_decode_step_jaxpr(_inplace_engine(tiny))), dim)) == 2
-
-
-def test_residual_norm_hook_declines_what_it_cannot_take():
-    """Under tensor parallelism without the all-reduce kernel (psum, or no buffers) the hook leaves the call
-    as written; off the GPU's 16-bit path it leaves it to the inner hooks."""
+def test_residual_norm_hook_is_for_tensor_parallelism_only(tiny):
+    """One device gets no `residual_norm` hook (there XLA fuses the o-projection's split sum with the add);
+    a tensor-parallel config gets it bound to its mesh axis and all-reduce, and it leaves the call as
+    written with psum, and with the kernel where the all-reduce kernel has no buffers."""
     from jaxdecode.inplace import StackedRef
+    from jaxdecode.looped_model import kernel_calls
+    from jaxdecode.tp import shard_config
 
+    assert "residual_norm" not in kernel_calls(tiny.cfg)
+    hook = kernel_calls(shard_config(tiny.cfg, 2))["residual_norm"]
+    assert (hook.keywords["axis"], hook.keywords["allreduce_impl"]) == ("tp", "kernel")
     x = jnp.ones((1, 1, 256), jnp.bfloat16)
     weight = StackedRef(jnp.ones((2, 256), jnp.bfloat16), jnp.int32(0))
     assert kernel_residual_norm(x, x, weight, 1e-5, axis="tp", allreduce_impl="psum") is None
-    assert kernel_residual_norm(x, x, weight, 1e-5, axis=None) is None  # no kernel table on the CPU
-    assert kernel_residual_norm(x, x[..., :128], weight, 1e-5, axis=None, impl="triton") is None
-    with pytest.raises(ValueError, match="impl must be None or 'triton'"):
-        kernel_residual_norm(x, x, weight, 1e-5, axis=None, impl="mosaic")
+    assert jax.eval_shape(lambda: jax.shard_map(
+        lambda v: kernel_residual_norm(v, v, weight, 1e-5, axis="tp", allreduce_impl="kernel") or v,
+        mesh=jax.make_mesh((1,), ("tp",)), in_specs=jax.P(), out_specs=jax.P())(x)).shape == x.shape
 
 
 def test_engine_default_mode_is_per_backend(tiny):

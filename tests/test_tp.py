@@ -81,10 +81,9 @@ def _compare_qkv_attend(cfg) -> dict:
 
 
 def _compare_residual_norm(cfg) -> dict:
-    """The in-place mode with the `residual_norm` hook: on one device the norm kernel with the add (interpret
-    mode); on 2 devices a psum-based stand-in for the all-reduce kernel with the add and the norm (Mosaic
-    GPU's interpreter has no peer memory), so what is checked there is the hook's wiring: bound to the mesh
-    axis, it all-reduces the partial sums before adding them."""
+    """The in-place mode on 2 devices with the `residual_norm` hook and a psum-based stand-in for the
+    all-reduce kernel with the add and the norm (Mosaic GPU's interpreter has no peer memory), so what is
+    checked is the hook's wiring: bound to the mesh axis, it all-reduces the partial sums before adding."""
     import jax
 
     from jaxdecode import looped_model
@@ -98,10 +97,10 @@ def _compare_residual_norm(cfg) -> dict:
         return total, rms_norm_reference(total, weights, layer, eps=eps)
 
     def hook(*args, axis, allreduce_impl):
-        out = looped_model.kernel_residual_norm(*args, axis=axis, allreduce_impl=allreduce_impl, impl="triton",
-                                                all_reduce_norm=all_reduce_norm, interpret=True)
+        out = looped_model.kernel_residual_norm(*args, axis=axis, allreduce_impl=allreduce_impl,
+                                                all_reduce_norm=all_reduce_norm)
         if out is not None:
-            ran.append(str(axis))
+            ran.append(axis)
         return out
 
     saved = dict(looped_model.CONFIG_CALLS)
@@ -230,9 +229,8 @@ def test_tp_runs_the_qkv_epilogue_kernel(results):
 
 
 def test_tp_runs_the_residual_norm_hook(results):
-    """The hook ran in the decode steps compared above, bound to no axis on one device and to the mesh
-    axis on two (where it all-reduces the partial sums it adds)."""
-    assert results[2]["gqa_inplace_residual_norm"]["hook_axes"] == ["None", "tp"]
+    """The hook ran in the tensor-parallel decode steps compared above, bound to the mesh axis."""
+    assert results[2]["gqa_inplace_residual_norm"]["hook_axes"] == ["tp"]
 
 
 def test_timed_tp_engine_is_freed(results):
