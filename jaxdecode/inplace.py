@@ -16,8 +16,8 @@ in which a stacked input is a lazy `StackedRef(stack, i)`:
 - a call (`jit`) named in `stacked_calls` goes to its hook, `hook(*args) -> outputs | None`, whose
   arguments keep their refs (e.g. the model's `sdpa` to `kernels.decode_attention` with the
   stacked cache and the layer index); `None` means "evaluate the call as written". A hook that
-  writes a carried stack returns `StackedRef(new stack, i, origin)` for it (the model's `attend`:
-  the cache write and the attention in one kernel);
+  writes a carried stack returns `StackedRef(new stack, i, origin)` for it (the model's `qkv_attend`:
+  the epilogue kernel writes the new cache rows);
 - other calls that receive a ref are evaluated inline by the same interpreter, so a weight
   passed through a helper function still reaches its dot;
 - any other consumer materializes the row once with `lax.dynamic_index_in_dim` (norm weights,

@@ -18,8 +18,6 @@ token per sequence, the model's `qkv_attend` call (projections, RoPE, cache writ
 the q·k·v GEMM, one epilogue kernel (`kernels.qkv_rope`: split sum, bias, RoPE, the cache rows
 written in place) and the attention kernel (`kernel_qkv_attend`); prefill, with more tokens, goes
 through the `qkv` and `sdpa` hooks and the in-place cache writes inside that call).
-`kernel_attend`, a hook for the model's `attend` call (cache write, then `sdpa`) that has the
-attention kernel write the new rows itself, is kept out of the defaults: it measured slower.
 `default_loop_mode()` (the engine's default) picks "inplace" on a GPU and "slice" elsewhere: on a
 GPU XLA copies each W[i] out of its stack before a dot.
 """
@@ -275,38 +273,6 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
     return [out.astype(q.dtype)]
 
 
-def kernel_attend(q, k, v, k_cache, v_cache, positions, *, impl: str | None = None,
-                  block_sizes: decode_attention.BlockSizes = decode_attention.BlockSizes(),
-                  interpret: bool = False):
-    """The `stacked_calls["attend"]` hook: `model.attend` (write the step's new k, v rows into the
-    cache, then attend) as one attention kernel that also writes the rows into the carried stacks.
-
-    q [B, 1, N, H]; k, v [B, 1, K, H] (the new rows, in the cache's dtype); k_cache, v_cache
-    `StackedRef`s of the carried [L, B, S, K, H] stacks at layer i; positions [B, 1]. On the GPU
-    this removes XLA's two cache-write kernels per layer, but XLA then prepares q, k and v in three
-    fusions instead of one and the attention kernel takes ~1 µs longer: measured 0.5% (batch 1) and
-    1.5% (batch 8) slower per token on the H200, so it is not in `KERNEL_CALLS`.
-    Returns [out, k_cache', v_cache'] with the caches as refs of the updated stacks, or None (the
-    call is then evaluated as written: the writes in place, then the `sdpa` hook): for T > 1, and
-    wherever `kernel_attention` declines or dispatch picks the async kernel (its fallback launch
-    does not write).
-    """
-    if any(isinstance(a, StackedRef) for a in (q, k, v, positions)) or q.shape[1] != 1 \
-            or getattr(k_cache, "origin", None) is None or getattr(v_cache, "origin", None) is None:
-        return None
-    chosen = _attention_impl(q, k_cache, v_cache, impl, block_sizes)
-    if chosen != "sync":
-        if impl is not None and chosen is not None:
-            raise ValueError(f"kernel_attend impl must be None or 'sync', got {impl!r}")
-        return None
-    last = positions[:, -1].astype(jnp.int32)  # [B]: the new row's position; the kernel adds 1 (lengths)
-    out, k_stack, v_stack = decode_attention.decode_attention_sync(
-        q, k_cache.stack, v_cache.stack, last, layer=k_cache.index, new_kv=(k, v), block_sizes=block_sizes,
-        length_offset=1, interpret=interpret)
-    return [out.astype(q.dtype), StackedRef(k_stack, k_cache.index, k_cache.origin),
-            StackedRef(v_stack, v_cache.index, v_cache.origin)]
-
-
 def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool = False):
     """The `stacked_calls["rms_norm"]` hook: `model.rms_norm` as one `kernels.rms_norm` launch that
     reads the layer's norm weight in place (XLA runs a norm as two kernels, a reduction and a scale).
@@ -359,7 +325,6 @@ def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
 # `qkv_attend` (2026-11-30, 2 H200s, Llama-3.1-8B at 1k): 4.512 -> 4.474 ms/token at batch 1 on one GPU,
 # 5.000 -> 4.920 at batch 8; with TP2 3.253 -> 3.134 and 4.200 -> 3.990.
-# `kernel_attend` is not among them: on the H200 it measured 0.5% (batch 1) to 1.5% (batch 8) slower per token.
 KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm,
                 "qkv_attend": kernel_qkv_attend}
 

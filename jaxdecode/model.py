@@ -189,8 +189,8 @@ def attend(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, positio
            ) -> tuple[Array, Array, Array]:
     """Writes each sequence's T new rows k, v [B, T, K, H] into the cache [B, S, K, H] at its start
     position positions[:, 0], then attends (`sdpa`); returns (out [B, T, N, H], k_cache, v_cache).
-    One module-level jitted call, so the in-place looped decode can run the write and the attention
-    as one kernel (`looped_model.kernel_attend`)."""
+    One module-level jitted call: the in-place looped decode writes the rows into its carried cache
+    stacks in place, and `qkv_attend`'s hook replaces it with its own epilogue kernel."""
     b = q.shape[0]
     with jax.named_scope("kv_cache_update"):
         # One sequence is one dynamic_update_slice: vmap would make it a scatter, which XLA guards

@@ -158,7 +158,6 @@ def decode_attention_sync(
     lengths: jax.Array,  # [B] int32
     *,
     layer: jax.Array | int | None = None,
-    new_kv: tuple[jax.Array, jax.Array] | None = None,
     sm_scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     length_offset: int = 0,
@@ -168,11 +167,7 @@ def decode_attention_sync(
   """Split-K decode attention with the synchronized (online, running-max) softmax.
 
   Any S works (padded and masked as in `decode_attention_async`); `layer`, `length_offset` and
-  poison as there. new_kv = (k_new, v_new) [B, 1, K, H], with a stacked cache, T = 1 and the
-  cache's dtype: the kernel first writes them into the stacks at row `layer`, position
-  lengths + length_offset - 1 (clamped to S - 1), as `dynamic_update_slice` would, and attends
-  over the updated cache; it then returns (o, k, v) with the updated stacks (in place: the outputs
-  alias the inputs, so a caller that donates or carries the stacks never copies them).
+  poison as there.
 
   Equivalent to the following JAX code:
 
@@ -184,18 +179,9 @@ def decode_attention_sync(
                                        poison, length_offset)
   # Every (sequence, kv head) program runs, so the kernel takes no gate input: even a constant
   # array of ones costs a broadcast kernel per call (per layer in a looped decode) on the GPU.
-  if new_kv is not None:
-    shape = (q.shape[0], 1, *k.shape[-2:])
-    if kw["tokens"] != 1 or any(x.shape != shape or x.dtype != k.dtype for x in new_kv):
-      raise ValueError(f"new_kv must be two [B, 1, K, H] = {shape} arrays of the cache's dtype {k.dtype} "
-                       f"for one new token, got {[(x.shape, str(x.dtype)) for x in new_kv]} with T = {kw['tokens']}")
-    acc, l, m, k, v = _attention_call(_sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3,
-                                      gated=False, new_kv=new_kv, **kw)
-  else:
-    acc, l, m = _attention_call(_sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3, gated=False, **kw)
-  o = combine_rows(acc, l, m, tokens=kw["tokens"], group=kw["group"], out_dtype=q.dtype, cfg=block_sizes,
-                   interpret=interpret, poison=poison)
-  return (o, k, v) if new_kv is not None else o
+  acc, l, m = _attention_call(_sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3, gated=False, **kw)
+  return combine_rows(acc, l, m, tokens=kw["tokens"], group=kw["group"], out_dtype=q.dtype, cfg=block_sizes,
+                      interpret=interpret, poison=poison)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "sm_scale", "block_sizes", "length_offset", "interpret",

@@ -71,18 +71,12 @@ def _split_loader(row_ref, split_len: int):
   return lambda ref, start, size: ref[row, pl.ds(base + start, size), head, :]
 
 
-def _block(q, load, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float, new=None):
-  """Block i of a split: scores s [R, bk] (f32), the visibility mask [R, bk], and v [bk, H].
-
-  new = (position, k row [H], v row [H]): the step's new cache row, used in place of what the cache
-  holds at that position (the kernel writes it there, so the read may see the old or the new row)."""
+def _block(q, load, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float):
+  """Block i of a split: scores s [R, bk] (f32), the visibility mask [R, bk], and v [bk, H]."""
   pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
-  here = None if new is None else (pos == new[0])[:, None]  # [bk, 1]
   k = load(k_ref, i * block_k, block_k)  # [bk, H]
-  k = k if new is None else jnp.where(here, new[1][None, :], k)
   s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
   v = load(v_ref, i * block_k, block_k)  # [bk, H]
-  v = v if new is None else jnp.where(here, new[2][None, :], v)
   return s, pos[None, :] < row_end[:, None], v
 
 
@@ -118,44 +112,26 @@ def _async_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int,
 
 
 def _sync_kernel(*refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int,
-                 stacked: bool, length_offset: int, gated: bool, writes: bool = False):
+                 stacked: bool, length_offset: int, gated: bool):
   """refs: [row_ref] (stacked only), then
   inputs  len_ref [] int32 (as in `_async_kernel`), active_ref [] int32 (only when `gated`: 0 skips
-          the program, for rows needing no recompute), q_ref [R, H], k_ref, v_ref (as there),
-          and when `writes` (stacked, T = 1) k_new_ref, v_new_ref [H]: the step's new cache row;
-  outputs acc_ref [R, H] f32 (Σ e^{x-m}·v), l_ref [R] f32 (Σ e^{x-m}), m_ref [R] f32 (running max),
-          and when `writes` k_out_ref, v_out_ref: the stacks themselves (aliased to k_ref, v_ref).
-          The program whose split holds the new row's position length-1 (clamped to the cache, as
-          `dynamic_update_slice` clamps) writes it there; every program attends with the new row
-          in place of the cache's, so no program depends on another's write."""
+          the program, for rows needing no recompute), q_ref [R, H], k_ref, v_ref (as there);
+  outputs acc_ref [R, H] f32 (Σ e^{x-m}·v), l_ref [R] f32 (Σ e^{x-m}), m_ref [R] f32 (running max)."""
   row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   len_ref, refs = refs[0], refs[1:]
   active_ref, refs = (refs[0], refs[1:]) if gated else (None, refs)
-  q_ref, k_ref, v_ref, refs = *refs[:3], refs[3:]
-  k_new_ref, v_new_ref, refs = (*refs[:2], refs[2:]) if writes else (None, None, refs)
-  acc_ref, l_ref, m_ref, *out_stacks = refs
+  q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref = refs
   load = _split_loader(row_ref, split_len)
   rows, head_dim = q_ref.shape
   split_start = pl.program_id(2) * split_len
   length = len_ref[()] + length_offset
   row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
   q = q_ref[...]  # [R, H]
-  new = None
-  if writes:
-    at = jnp.minimum(length - 1, k_ref.shape[1] - 1)  # the new row's position
-    k_new, v_new = k_new_ref[...], v_new_ref[...]  # [H]
-    new = (at, k_new, v_new)
-    row, head = row_ref[()], pl.program_id(1)
-
-    @pl.when((at >= split_start) & (at < split_start + split_len))
-    def _():
-      for out_ref, value in zip(out_stacks, (k_new, v_new)):
-        out_ref[row, pl.ds(at, 1), head, :] = value[None, :]
 
   def body(i, carry):
     acc, l, m = carry  # [R, H], [R], [R]
     s, mask, v = _block(q, load, k_ref, v_ref, i, split_start, row_end, block_k=block_k,
-                        sm_scale=sm_scale, new=new)
+                        sm_scale=sm_scale)
     s = jnp.where(mask, s, _NEG)
     m_next = jnp.maximum(m, s.max(axis=1))  # the synchronization FlashDecoding++ removes
     correction = jnp.exp(m - m_next)  # [R]
@@ -211,13 +187,11 @@ def _pad_cache(k, v, cfg: BlockSizes, stacked: bool):
 
 
 def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, group, tokens,
-                    length_offset, cfg, interpret, poison, new_kv=None, **kernel_kw):
+                    length_offset, cfg, interpret, poison, **kernel_kw):
   """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs.
 
   k, v come padded by `_pad_cache`: [B, S_pad, K, H], or stacks [L, B, S, K, H] read at row
   `layer` in place (the kernel gets the whole stack and indexes it; no BlockSpec cuts it).
-  new_kv = (k_new, v_new) [B, 1, K, H] (stacks only): the kernel also writes them into the stacks,
-  which come back after the partials (outputs aliased to the stack inputs: updated in place).
   poison=True hands the kernel NaN-filled output buffers (aliased inputs), so a partial the kernel
   fails to write shows up as NaN.
   """
@@ -247,16 +221,6 @@ def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, 
     out_specs.append(pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
   inputs = [*scalars, q, k, v]
   aliases = {}
-  if new_kv is not None:
-    if not stacked:
-      raise ValueError("new_kv (writing the new rows in the kernel) needs a stacked cache and a layer")
-    new_rows = [x.reshape(batch, kv_heads, head_dim) for x in new_kv]  # [B, K, H] each
-    in_specs += [pl.BlockSpec((None, None, head_dim), lambda b, h, s: (b, h, 0))] * 2
-    aliases = {len(inputs) - 2: num_out, len(inputs) - 1: num_out + 1}  # k, v stacks -> outputs
-    inputs += new_rows
-    out_shape += [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    out_specs += [kv_spec, kv_spec]
-    kernel_kw["writes"] = True
   body = functools.partial(kernel, sm_scale=sm_scale, block_k=cfg.block_k, group=group,
                            tokens=tokens, split_len=split_len, stacked=stacked,
                            length_offset=length_offset, **kernel_kw)
@@ -267,7 +231,7 @@ def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, 
     aliases.update({n_in + i: i for i in range(num_out)})
     unpoisoned = body
     body = lambda *refs: unpoisoned(*refs[:n_in], *refs[n_in + num_out:])  # drop aliased inputs
-  outs = pl.pallas_call(
+  return pl.pallas_call(
       body,
       out_shape=out_shape,
       grid=(batch, kv_heads, splits),
@@ -279,9 +243,6 @@ def _attention_call(kernel, scalars, q, k, v, layer, *, num_out: int, sm_scale, 
       interpret=interpret,
       name=kernel.__name__.strip("_"),
   )(*inputs)
-  if new_kv is None:
-    return outs
-  return (*outs[:num_out], *(x.reshape(-1, batch, *x.shape[1:]) for x in outs[num_out:]))  # [L, B, S, K, H]
 
 
 def query_rows(tokens: int, group: int) -> int:

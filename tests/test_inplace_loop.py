@@ -13,7 +13,7 @@ from jax import lax
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
 from jaxdecode.inplace import StackedRef, output_aliases
-from jaxdecode.looped_model import (LoopedForward, kernel_attend, kernel_attention, kernel_qkv, kernel_residual_norm,
+from jaxdecode.looped_model import (LoopedForward, kernel_attention, kernel_qkv, kernel_residual_norm,
                                     kernel_rms_norm,
                                     kernel_stacked_dot, kernel_swiglu)
 from jaxdecode.looping import kernel_loop
@@ -29,7 +29,6 @@ interpret_dot = functools.partial(kernel_stacked_dot, impl="triton", block_sizes
 # The decode attention kernel in interpret mode; block_k 16 divides the engine's 64-aligned caches.
 interpret_attention = functools.partial(kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2),
                                         interpret=True)
-interpret_attend = functools.partial(kernel_attend, impl="sync", block_sizes=AttentionBlocks(16, 2), interpret=True)
 interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
 interpret_norm = functools.partial(kernel_rms_norm, impl="triton", interpret=True)
 
@@ -172,11 +171,10 @@ def tiny():
 
 
 def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu, qkv=None,
-                    norm=interpret_norm, attend=interpret_attend):
+                    norm=interpret_norm):
     engine = Engine(model, loop_mode="inplace")
     engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
-    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm} | ({"qkv": qkv} if qkv else {}) \
-        | ({"attend": attend} if attend else {})
+    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm} | ({"qkv": qkv} if qkv else {})
     return engine
 
 
@@ -191,12 +189,10 @@ def test_engine_inplace_greedy_tokens_equal(tiny):
     kwargs = dict(max_new_tokens=6, chunk=3)
     unrolled = Engine(tiny, loop_layers=False).generate(prompts, **kwargs).token_ids
     assert Engine(tiny, loop_mode="slice").generate(prompts, **kwargs).token_ids == unrolled
-    assert _inplace_engine(tiny).generate(prompts, **kwargs).token_ids == unrolled
     # the cache written in place by XLA, then the attention kernel
-    assert _inplace_engine(tiny, attend=None).generate(prompts, **kwargs).token_ids == unrolled
-    # attention on materialized cache rows (the hooks decline), the cache still written in place
-    assert _inplace_engine(tiny, attention=lambda *args: None, attend=None).generate(prompts, **kwargs).token_ids \
-        == unrolled
+    assert _inplace_engine(tiny).generate(prompts, **kwargs).token_ids == unrolled
+    # attention on materialized cache rows (the hook declines), the cache still written in place
+    assert _inplace_engine(tiny, attention=lambda *args: None).generate(prompts, **kwargs).token_ids == unrolled
 
 
 def _decode_step_jaxpr(engine, batch=2, cache_len=64):
@@ -226,26 +222,23 @@ def _stack_uses(jaxpr, stacks, uses):
     return uses
 
 
-@pytest.mark.parametrize("batch, write, attend", [(2, "scatter", None), (1, "dynamic_update_slice", None),
-                                                 (2, None, interpret_attend), (1, None, interpret_attend)])
-def test_engine_inplace_cache_never_copied(tiny, batch, write, attend):
+@pytest.mark.parametrize("batch, write", [(2, "scatter"), (1, "dynamic_update_slice")])
+def test_engine_inplace_cache_never_copied(tiny, batch, write):
     """In the looped decode step the [L, B, S, K, H] cache stacks are touched only by the in-place
     writes (scatters into the carried stacks; one sequence writes with a dynamic_update_slice) and
-    the attention kernel (pallas_call on the whole stacks), or only by the attention kernel that
-    writes the new rows itself (the `attend` hook): no row of the cache is read out (dynamic slice)
-    or written back whole."""
-    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attend=attend), batch=batch))
+    the attention kernel (pallas_call on the whole stacks): no row of the cache is read out (dynamic
+    slice) or written back whole."""
+    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny), batch=batch))
     stacks = [v for v in body.invars if getattr(v.aval, "ndim", 0) == 5]
     assert len(stacks) == 2
     uses = _stack_uses(body, stacks, {})
-    writes = {write: 2} if write else {}
-    assert uses == {**writes, "reshape": 2, "pallas_call": 1}, uses  # K, V: [write,] flatten, one kernel
+    assert uses == {write: 2, "reshape": 2, "pallas_call": 1}, uses  # K, V: write, flatten, one kernel
     calls = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
     assert calls.count("decode_attention_sync") == 1 and calls.count("flat_gemm_swiglu") == 1, calls
     assert calls.count("flat_gemm") == 5, calls  # q, k, v, o and down: every other dot reads in place
     assert calls.count("rms_norm") == 2, calls  # both norms as one kernel each, the weight read in place
     # and with the attention hooks declining, the read is one row slice per cache (no whole-row write)
-    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attention=lambda *args: None, attend=None)))
+    body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attention=lambda *args: None)))
     names = [e.primitive.name for e in body.eqns]
     assert names.count("scatter") == 2 and "dynamic_update_slice" not in names
 

@@ -162,34 +162,6 @@ class TestDecodeAttention:
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     _close(got, da.decode_attention_reference(q, layers[1][1], layers[1][2], lengths)[0])
 
-  @pytest.mark.parametrize("shape,lengths,splits", [
-      (AttentionShape("g4", 1, 1, 32, 8, 128, 64), [50], 2),  # a stack is never padded: S = 64, 96
-      (AttentionShape("g7", 3, 1, 28, 4, 64, 96), [96, 1, 33], 3)])
-  def test_sync_writes_the_new_rows(self, shape, lengths, splits):
-    """new_kv: the kernel writes the step's k, v rows into layer 1 of the stacks at each sequence's
-    position (the last sequence past the end: clamped to S - 1, as dynamic_update_slice clamps) and
-    attends over the updated cache. Every other element of both stacks is unchanged, bit for bit."""
-    blocks = da.BlockSizes(16, num_splits=splits)
-    layers = [_inputs(shape, seed=30 + i, lengths=lengths) for i in range(2)]
-    q, lengths = layers[0][0], layers[0][3]
-    if shape.batch > 1:
-      lengths = lengths.at[-1].set(shape.cache_len + 1)  # position S: written at S - 1
-    k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
-    v_stack = jnp.stack([v for _, _, v, _ in layers])
-    keys = jax.random.split(jax.random.key(31), 2)
-    new = [jax.random.normal(kk, (shape.batch, 1, shape.num_kv_heads, shape.head_dim), jnp.bfloat16)
-           for kk in keys]  # [B, 1, K, H]
-    out, k_out, v_out = da.decode_attention_sync(
-        q, k_stack, v_stack, lengths - 1, layer=jnp.int32(1), new_kv=tuple(new), length_offset=1,
-        block_sizes=blocks, interpret=self.INTERPRET, poison=True)
-    at = jnp.minimum(lengths - 1, shape.cache_len - 1)
-    want = [stack.at[1, jnp.arange(shape.batch), at].set(row[:, 0]) for stack, row in zip((k_stack, v_stack), new)]
-    np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(want[0], np.float32))
-    np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(want[1], np.float32))
-    ref, _ = da.decode_attention_reference(q, want[0][1], want[1][1], lengths)
-    _close(out, ref)
-
-
   @pytest.mark.parametrize("shape", [AttentionShape("g4", 2, 1, 32, 8, 128, 256),
                                      AttentionShape("g1", 1, 1, 4, 4, 64, 128),
                                      AttentionShape("g8", 3, 1, 16, 2, 128, 192)])
@@ -284,18 +256,6 @@ def test_bad_shapes_raise():
   with pytest.raises(ValueError, match="group"):
     da.decode_attention_sync_rows(rows, k[None], v[None], lengths, group=rows.shape[2] + 1, layer=0, interpret=True)
 
-
-def test_new_kv_needs_a_stack_one_token_and_the_cache_dtype():
-  q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"])
-  row = jnp.zeros((2, 1, *k.shape[2:]), k.dtype)  # [B, 1, K, H]
-  kw = dict(block_sizes=BLOCKS, interpret=True)
-  with pytest.raises(ValueError, match="stacked cache"):
-    da.decode_attention_sync(q, k, v, lengths, new_kv=(row, row), **kw)
-  with pytest.raises(ValueError, match="new_kv"):
-    da.decode_attention_sync(q, k[None], v[None], lengths, layer=0, new_kv=(row, row.astype(jnp.float32)), **kw)
-  with pytest.raises(ValueError, match="new_kv"):
-    da.decode_attention_sync(jnp.concatenate([q, q], 1), k[None], v[None], lengths, layer=0, new_kv=(row, row),
-                             **kw)
 
 
 def test_poison_shows_unwritten_outputs():
