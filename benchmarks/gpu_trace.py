@@ -3,6 +3,7 @@ import glob
 import gzip
 import json
 import os
+import tempfile
 
 import jax
 
@@ -10,6 +11,8 @@ import jax
 def traced_events(run, trace_dir: str) -> list[dict]:
     """Runs `run()` under `jax.profiler.trace` and returns the events of the Perfetto trace it writes
     (Chrome trace format: "X" events carry ts and dur in µs, pid, tid, name and args)."""
+    os.makedirs(trace_dir, exist_ok=True)
+    trace_dir = tempfile.mkdtemp(dir=trace_dir)  # a fresh folder: an earlier run's trace is never read back
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         run()
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)

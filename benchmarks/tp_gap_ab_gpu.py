@@ -7,7 +7,8 @@ Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context, the default lo
 one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE" sets XLA's
 `--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
 "tp1-qkv_attend" turns the q·k·v epilogue kernel off, "tp2-residual_norm" the all-reduce kernel's
-residual add and norm (`looped_model.kernel_residual_norm`); "tp1+peers" runs one GPU's engine after
+residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-reduce kernel (XLA's
+psum instead); "tp1+peers" runs one GPU's engine after
 a psum over both GPUs in the same process (NCCL set up, peer access on). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
@@ -60,7 +61,9 @@ def measure(variant: str) -> dict:
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
     model = init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16)
-    engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))
+    allreduce = "psum" if "-psum" in variant else "kernel"  # "tp2-psum": XLA's all-reduce (NCCL), no Mosaic kernel
+    engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace",
+                                                                                allreduce=allreduce))
     prompts = np.ones((batch, 16), np.int32)
     time_engine(engine, prompts, context=1024, steps=STEPS)  # compiles
     runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]
