@@ -13,9 +13,8 @@ from jax import lax
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
 from jaxdecode.inplace import StackedRef, output_aliases
-from jaxdecode.looped_model import (LoopedForward, kernel_attention, kernel_qkv, kernel_residual_norm,
-                                    kernel_rms_norm,
-                                    kernel_stacked_dot, kernel_swiglu)
+from jaxdecode.looped_model import (LoopedForward, kernel_attention, kernel_calls, kernel_qkv, kernel_residual_norm,
+                                    kernel_rms_norm, kernel_stacked_dot, kernel_swiglu)
 from jaxdecode.looping import kernel_loop
 from jaxdecode.model import init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
@@ -247,8 +246,6 @@ def test_residual_norm_hook_is_for_tensor_parallelism_only(tiny):
     """One device gets no `residual_norm` hook (there XLA fuses the o-projection's split sum with the add);
     a tensor-parallel config gets it bound to its mesh axis and all-reduce, and it leaves the call as
     written with psum, and with the kernel where the all-reduce kernel has no buffers."""
-    from jaxdecode.inplace import StackedRef
-    from jaxdecode.looped_model import kernel_calls
     from jaxdecode.tp import shard_config
 
     assert "residual_norm" not in kernel_calls(tiny.cfg)
