@@ -8,7 +8,7 @@ one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE"
 `--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
 "tp1-qkv_attend" turns the q·k·v epilogue kernel off, "tp2-residual_norm" the all-reduce kernel's
 residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-reduce kernel (XLA's
-psum instead); "tp1+peers" runs one GPU's engine after
+psum instead), "~N" the attention kernel's splits chosen for N programs; "tp1+peers" runs one GPU's engine after
 a psum over both GPUs in the same process (NCCL set up, peer access on). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
@@ -57,6 +57,13 @@ def measure(variant: str) -> dict:
     from jaxdecode import looped_model
     if "-qkv_attend" in variant:  # the q·k·v epilogue as XLA's fusions (the hook off)
         looped_model.KERNEL_CALLS.pop("qkv_attend")
+    if "~" in variant:  # "~N": the attention kernel picks its splits for N programs (BlockSizes.target_programs)
+        import functools
+
+        from kernels.decode_attention import BlockSizes
+        programs = int(re.search(r"~(\d+)", variant).group(1))
+        looped_model.KERNEL_CALLS["qkv_attend"] = functools.partial(
+            looped_model.kernel_qkv_attend, attention_blocks=BlockSizes(target_programs=programs))
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
