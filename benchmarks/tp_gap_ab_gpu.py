@@ -8,7 +8,8 @@ one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE"
 `--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
 "tp1-qkv_attend" turns the q·k·v epilogue kernel off, "tp2-residual_norm" the all-reduce kernel's
 residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-reduce kernel (XLA's
-psum instead), "~N" the attention kernel's splits chosen for N programs; "tp1+peers" runs one GPU's engine after
+psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" the all-reduce kernel for up to N
+elements; "tp1+peers" runs one GPU's engine after
 a psum over both GPUs in the same process (NCCL set up, peer access on). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
@@ -64,6 +65,9 @@ def measure(variant: str) -> dict:
         programs = int(re.search(r"~(\d+)", variant).group(1))
         looped_model.KERNEL_CALLS["qkv_attend"] = functools.partial(
             looped_model.kernel_qkv_attend, attention_blocks=BlockSizes(target_programs=programs))
+    if "^" in variant:  # "^N": the all-reduce kernel takes activations of up to N elements (batch 8: 32768)
+        from kernels import allreduce
+        allreduce.PERSISTENT_MAX_ELEMENTS = int(re.search(r"\^(\d+)", variant).group(1))
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
