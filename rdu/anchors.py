@@ -52,6 +52,9 @@ TPS5 = ("BENCHMARKS.md 2026-11-30 16:40-16:41 UTC, TP2 with the all-reduce kerne
 TPS6 = ("BENCHMARKS.md 2026-11-30 19:31-19:33 UTC, with the q·k·v epilogue kernel (kernels/qkv_rope) "
         "(results_allreduce_decode_gpu_1931.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b "
         "--70b-kernel-only)")
+TPS7 = ("BENCHMARKS.md 2026-11-30 21:33 UTC, with the MLP's RMSNorm in the TP2 all-reduce kernel "
+        "(results_allreduce_decode_gpu_2133.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b "
+        "--70b-kernel-only)")
 A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
 # it, batch-1 rows cannot split the time between per-kernel overhead and M=1 bandwidth, and that split is
@@ -141,6 +144,14 @@ INPLACE_TP_ROWS = (
            context=1152, n_gpus=2, allreduce="kernel"),
     GPURow("ours TP2 p2p kernel, Llama-3.1-70B b1, 19:31 run", 19.929, "looped_inplace", 1, "report only", TPS6,
            context=1088, n_gpus=2, model="llama-3.1-70b", allreduce="kernel"),
+    # The MLP's norm in the all-reduce kernel (one kernel fewer per layer with TP2 than the traced count).
+    GPURow("ours TP1, Llama-3.1-8B b1, 21:33 run", 4.553, "looped_inplace", 1, "report only", TPS7, context=1152),
+    GPURow("ours TP2 psum, Llama-3.1-8B b1, 21:33 run", 3.604, "looped_inplace", 1, "report only", TPS7,
+           context=1152, n_gpus=2),
+    GPURow("ours TP2 p2p kernel + norm, Llama-3.1-8B b1, 21:33 run", 3.097, "looped_inplace", 1, "report only", TPS7,
+           context=1152, n_gpus=2, allreduce="kernel"),
+    GPURow("ours TP2 p2p kernel + norm, Llama-3.1-70B b1, 21:33 run", 20.332, "looped_inplace", 1, "report only",
+           TPS7, context=1088, n_gpus=2, model="llama-3.1-70b", allreduce="kernel"),
 )
 # Published, another GPU: reported with the fitted constants, never fitted.
 DGX_ROW = GPURow("DGX H100 TRT-LLM 8B bs1 4K (300 tok/s, 10 kernels/layer)", 1e3 / 300.0, "fixed", 1, "test",
