@@ -65,14 +65,15 @@ def test_70b_report_renders_and_expands(browser, page_70b, tmp_path):
     loop.locator(":scope > summary").click()
     loop.locator("details.call > summary").first.click()  # the decoder_layer_call body
     visible = "els => els.filter(e => e.checkVisibility()).length"
+    # a call's summary reads "<op> <name> <n> ops ...": match the name as a whole word
+    call = lambda name: loop.locator("details.call > summary").filter(has_text=re.compile(rf"\b{name}\s"))  # noqa: E731
+    call("residual_norm").first.click()  # the attention's residual add and the MLP's norm: a nested call
     reductions = loop.locator("g.op.k-reduction").evaluate_all(visible)
     norms = loop.locator("details.call > summary").filter(has_text="rms_norm")
     assert norms.count() == 2  # the layer's two norms, nested calls, collapsed
     for i in range(2):
         norms.nth(i).click()
     assert loop.locator("g.op.k-reduction").evaluate_all(visible) == reductions + 2  # one mean of squares each
-    # a call's summary reads "<op> <name> <n> ops ...": match the name as a whole word
-    call = lambda name: loop.locator("details.call > summary").filter(has_text=re.compile(rf"\b{name}\s"))  # noqa: E731
     call("qkv_attend").first.click()  # projections, RoPE and attend: a nested call, collapsed
     after = page.evaluate(VISIBLE_OPS)
     assert after > before + 50  # one layer body: matmuls, attention, mlp, RoPE, the norms' ops
