@@ -360,7 +360,7 @@ class LoopedForward:
         self.mode = mode
         self.index_mode = "slice" if mode == "slice" else "whole"
         self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
-        # in place: the model's named calls in KERNEL_CALLS go to kernels (`jaxdecode.inplace`)
+        # in place: the model's named calls in `kernel_calls(cfg)` go to kernels (`jaxdecode.inplace`)
         self._calls = dict(calls or kernel_calls(cfg)) if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)

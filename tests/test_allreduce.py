@@ -254,8 +254,8 @@ def test_kernel_with_norm_equals_psum_add_then_norm_on_gpus(batch, dim):
     """r + Σ x and the RMSNorm of that sum in the barrier-free kernel (`norm=`, as `model.residual_norm`
     runs on 2 GPUs), the norm weight read in place from a stack of 3 layers at layer 1. The sum equals
     `r + psum(x)` bit for bit; the norm equals the model's `rms_norm` of it within one bf16 step (the sum
-    of squares runs in another order) and is the same on both devices, bit for bit; poisoned outputs
-    would show as NaN. Over 20 dependent calls (each sum the next residual), the same."""
+    of squares runs in another order) and is the same on both devices, bit for bit. Over 20 dependent
+    calls (each sum the next residual), the same."""
     from jax.sharding import PartitionSpec as P
 
     from jaxdecode.model import rms_norm as model_rms_norm
