@@ -49,6 +49,18 @@ def _random_in_place(cfg, tp: int) -> dict:
     return {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "spread": float(a.std())}
 
 
+def _compare_with_hook(cfg, calls: dict, name: str, hook) -> dict:
+    """`_compare` over 2 devices in the in-place mode with calls[name] set to `hook`, restored after; `calls`
+    is one of `jaxdecode.looped_model`'s hook tables, read when the engines' plans are traced."""
+    saved = dict(calls)
+    calls[name] = hook
+    try:
+        return _compare(cfg, 2, loop=True, mode="inplace")
+    finally:
+        calls.clear()
+        calls.update(saved)
+
+
 def _compare_qkv_attend(cfg) -> dict:
     """The in-place mode with the q·k·v epilogue hook in interpret mode (a jnp stand-in for the GEMM's
     partials), on 2 devices and on one: the kernel writes each device's shard of the carried caches."""
@@ -70,13 +82,7 @@ def _compare_qkv_attend(cfg) -> dict:
             ran.append(args[6].stack.shape[2])  # w_q's width: 48 on one device, 24 on each of two
         return out
 
-    saved = dict(looped_model.KERNEL_CALLS)
-    looped_model.KERNEL_CALLS["qkv_attend"] = hook  # read when the engines' plans are traced
-    try:
-        out = _compare(cfg, 2, loop=True, mode="inplace")
-    finally:
-        looped_model.KERNEL_CALLS.clear()
-        looped_model.KERNEL_CALLS.update(saved)
+    out = _compare_with_hook(cfg, looped_model.KERNEL_CALLS, "qkv_attend", hook)
     return {**out, "hook_widths": sorted(set(ran))}
 
 
@@ -103,13 +109,7 @@ def _compare_residual_norm(cfg) -> dict:
             ran.append(axis)
         return out
 
-    saved = dict(looped_model.CONFIG_CALLS)
-    looped_model.CONFIG_CALLS["residual_norm"] = hook  # bound to each engine's config when its plans are traced
-    try:
-        out = _compare(cfg, 2, loop=True, mode="inplace")
-    finally:
-        looped_model.CONFIG_CALLS.clear()
-        looped_model.CONFIG_CALLS.update(saved)
+    out = _compare_with_hook(cfg, looped_model.CONFIG_CALLS, "residual_norm", hook)  # bound to each engine's config
     return {**out, "hook_axes": sorted(set(ran))}
 
 
