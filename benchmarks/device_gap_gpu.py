@@ -1,0 +1,130 @@
+"""Is the idle time between kernels on 2 GPUs the decode's, or any program's? A chain of tiny kernels.
+
+  JAX_PLATFORMS=cuda,cpu python benchmarks/device_gap_gpu.py [--out DIR] [--setups a,b,...]
+
+Tensor-parallel decode on 2 H200s leaves about 0.42 µs between consecutive kernels; one GPU leaves
+none (BENCHMARKS.md, "The all-reduce kernel also normalizes"). This script strips the decode away:
+a `fori_loop` of 32 steps, each a chain of 12 elementwise kernels (an optimization barrier between
+them keeps XLA from fusing them), run several ways:
+
+  one        jit on GPU 0
+  one_dev1   jit on GPU 1
+  shard2     shard_map over both GPUs, the same chain on each, no communication
+  shard2_psum  as shard2, plus a psum of one float per loop step (what a TP layer has)
+  two_jits   the one-GPU jit dispatched to GPU 0 and to GPU 1 back to back, so both run at once
+
+For each: untraced wall µs per kernel (median of 5 runs / kernels), and from a profiler trace the
+kernels per step and the median gap between consecutive kernels on GPU 0. Prints a table, writes
+device_gap_gpu.json under --out. Process-wide XLA_FLAGS (command buffers, PDL) are set by the
+caller, so run the script once per flag set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from benchmarks.gpu_trace import gpu_pids, track_names, traced_events  # noqa: E402
+
+STEPS, CHAIN, WIDTH = 32, 12, 8192
+
+
+def chain(x, psum_axis=None):
+    """STEPS loop iterations of CHAIN separate elementwise kernels (and optionally a tiny psum)."""
+    def body(_, x):
+        for _ in range(CHAIN):
+            x = jax.lax.optimization_barrier(jnp.sin(x) * 1.0001 + 0.25)
+        if psum_axis is not None:
+            x = x + 1e-6 * jax.lax.psum(x[:1], psum_axis)
+        return x
+    return jax.lax.fori_loop(0, STEPS, body, x)
+
+
+def build(setup: str):
+    """(run, block) for one setup: run() dispatches once, block(out) waits for it."""
+    devs = jax.devices()
+    if setup in ("one", "one_dev1"):
+        dev = devs[0] if setup == "one" else devs[1]
+        x = jax.device_put(jnp.zeros((WIDTH,), jnp.float32), dev)
+        f = jax.jit(chain)
+        return (lambda: f(x)), jax.block_until_ready
+    if setup == "two_jits":
+        xs = [jax.device_put(jnp.zeros((WIDTH,), jnp.float32), d) for d in devs[:2]]
+        f = jax.jit(chain)
+        return (lambda: [f(x) for x in xs]), jax.block_until_ready
+    mesh = Mesh(np.array(devs[:2]), ("tp",))
+    x = jax.device_put(jnp.zeros((2 * WIDTH,), jnp.float32), NamedSharding(mesh, P("tp")))
+    axis = "tp" if setup == "shard2_psum" else None
+    f = jax.jit(jax.shard_map(partial(chain, psum_axis=axis), mesh=mesh, in_specs=P("tp"),
+                              out_specs=P("tp"), check_vma=False))
+    return (lambda: f(x)), jax.block_until_ready
+
+
+def measure(setup: str, trace_root: str) -> dict:
+    run, block = build(setup)
+    block(run())
+    walls = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        block(run())
+        walls.append((time.perf_counter() - t0) * 1e6)
+    events = traced_events(lambda: block(run()), os.path.join(trace_root, setup))
+    names = track_names(events)
+    gpu0 = min(gpu_pids(names))
+    kernels = sorted((e["ts"], e["dur"]) for e in events
+                     if e.get("ph") == "X" and e.get("pid") == gpu0 and "dur" in e
+                     and "memcpy" not in e.get("name", "").lower())
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(kernels, kernels[1:])]
+    inner = [g for g in gaps if g < 2.0]
+    n = STEPS * CHAIN
+    return dict(setup=setup, wall_us=round(statistics.median(walls), 1),
+                wall_us_per_kernel=round(statistics.median(walls) / n, 3),
+                traced_kernels=len(kernels), median_kernel_us=round(
+                    statistics.median(d for _, d in kernels), 3) if kernels else None,
+                median_gap_us=round(statistics.median(inner), 3) if inner else None,
+                long_gaps=len(gaps) - len(inner))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--setups", default="one,one_dev1,shard2,shard2_psum,two_jits,one")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    flags = os.environ.get("XLA_FLAGS", "")
+    rows = []
+    for setup in args.setups.split(","):
+        try:
+            rows.append(dict(measure(setup, os.path.join(args.out, "traces")), xla_flags=flags))
+        except Exception as e:  # noqa: BLE001  (a setup that fails is reported, the rest still run)
+            rows.append(dict(setup=setup, error=f"{type(e).__name__}: {e}"[:300], xla_flags=flags))
+        print(json.dumps(rows[-1]), flush=True)
+    path = os.path.join(args.out, "device_gap_gpu.json")
+    old = json.load(open(path)) if os.path.exists(path) else []
+    with open(path, "w") as fh:
+        json.dump(old + rows, fh, indent=1)
+    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, XLA_FLAGS={flags!r}")
+    print(f"{'setup':12s} {'wall µs/kernel':>15s} {'kernels':>8s} {'kernel µs':>10s} {'gap µs':>7s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['setup']:12s} {r['error'][:80]}")
+        else:
+            print(f"{r['setup']:12s} {r['wall_us_per_kernel']:15.3f} {r['traced_kernels']:8d} "
+                  f"{r['median_kernel_us']:10.3f} {r['median_gap_us']!s:>7s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
