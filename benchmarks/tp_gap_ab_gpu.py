@@ -17,7 +17,8 @@ GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches 
 streams), and on the busiest stream the kernel time per step against the untraced step and the
 median idle time between two kernels inside a layer; on one GPU also the decode chunk's temporary
 memory (XLA's `memory_analysis`). `--hlo`: the optimized HLO of each variant without a mode goes to
-$OUT (`--xla_dump_to`), to name the fusions.
+$OUT (`--xla_dump_to`), to name the fusions. With TP_GAP_DUMP=DIR set, every traced event of the process
+(both GPUs, host threads) within about one layer of the middle of the step goes to DIR/events_<variant>.json.
 """
 from __future__ import annotations
 
@@ -112,6 +113,17 @@ def measure(variant: str) -> dict:
                streams={str(tid): len(v) for tid, v in sorted(streams.items(), key=lambda kv: -len(kv[1]))},
                other_stream_kernels=sorted({e["name"][:50] for tid, v in streams.items() if v is not max(
                    streams.values(), key=len) for e in v})[:12])
+    if os.environ.get("TP_GAP_DUMP"):  # every event of the process around one middle layer, for reading by eye
+        mid = step[len(step) // 2]["ts"]
+        window = [e for e in events if e.get("ph") == "X" and mid - 20 <= e.get("ts", 0) <= mid + 120]
+        labels = track_names(events)
+        dump = [dict(track=labels.get((e["pid"], None), str(e["pid"])) + " / " + labels.get((e["pid"], e.get("tid")),
+                                                                                           str(e.get("tid"))),
+                     name=e["name"][:80], ts=round(e["ts"] - mid, 3), dur=round(e.get("dur", 0), 3),
+                     args={k: str(v)[:80] for k, v in (e.get("args") or {}).items()})
+                for e in sorted(window, key=lambda e: e["ts"])]
+        with open(os.path.join(os.environ["TP_GAP_DUMP"], f"events_{variant.replace(':', '_')}.json"), "w") as fh:
+            json.dump(dump, fh, indent=0)
     return row
 
 
