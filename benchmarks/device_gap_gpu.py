@@ -13,6 +13,10 @@ them keeps XLA from fusing them), run several ways:
   shard2_psum  as shard2, plus a psum of one float per loop step (what a TP layer has)
   two_jits   the one-GPU jit dispatched to GPU 0 and to GPU 1 back to back, so both run at once
 
+A suffix changes the chain's middle kernel: "+mosaic" a Mosaic GPU kernel (`plgpu.kernel`, as the
+decode's GEMMs), "+triton" a Pallas-Triton kernel (`kernels.rms_norm`), "+axis" an XLA fusion that
+reads the device's index (`lax.axis_index`, shard_map setups only).
+
 For each: untraced wall µs per kernel (median of 5 runs / kernels), and from a profiler trace the
 kernels per step and the median gap between consecutive kernels on GPU 0. Prints a table, writes
 device_gap_gpu.json under --out. Process-wide XLA_FLAGS (command buffers, PDL) are set by the
@@ -40,11 +44,38 @@ from benchmarks.gpu_trace import gpu_pids, track_names, traced_events  # noqa: E
 STEPS, CHAIN, WIDTH = 32, 12, 8192
 
 
-def chain(x, psum_axis=None):
-    """STEPS loop iterations of CHAIN separate elementwise kernels (and optionally a tiny psum)."""
+def mosaic_step(x):
+    """x * 1.0001 + 0.25 as one Mosaic GPU kernel (Lane semantics, 4096 elements per step)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(x_ref, y_ref):
+        for start in range(0, x_ref.shape[0], 4096):
+            part = pl.ds(start, 4096)
+            y_ref[part] = (x_ref[part].astype(jnp.float32) * 1.0001 + 0.25).astype(y_ref.dtype)
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), compiler_params=params)(x)
+
+
+def triton_step(x):
+    """An RMSNorm of x as one Pallas-Triton kernel (the decode's norm kernel)."""
+    from kernels.rms_norm import rms_norm
+    return rms_norm(x.reshape(1, -1), jnp.ones((1, x.shape[0]), x.dtype), 0, eps=1e-5).reshape(x.shape)
+
+
+def chain(x, psum_axis=None, middle=None, axis=None):
+    """STEPS loop iterations of CHAIN separate elementwise kernels (and optionally a tiny psum);
+    `middle` ("mosaic", "triton" or "axis") replaces the middle one."""
     def body(_, x):
-        for _ in range(CHAIN):
-            x = jax.lax.optimization_barrier(jnp.sin(x) * 1.0001 + 0.25)
+        for i in range(CHAIN):
+            if i == CHAIN // 2 and middle == "mosaic":
+                x = mosaic_step(x)
+            elif i == CHAIN // 2 and middle == "triton":
+                x = triton_step(x)
+            elif i == CHAIN // 2 and middle == "axis":
+                x = x + jax.lax.axis_index(axis).astype(x.dtype)
+            else:
+                x = jax.lax.optimization_barrier(jnp.sin(x) * 1.0001 + 0.25)
         if psum_axis is not None:
             x = x + 1e-6 * jax.lax.psum(x[:1], psum_axis)
         return x
@@ -54,20 +85,23 @@ def chain(x, psum_axis=None):
 def build(setup: str):
     """(run, block) for one setup: run() dispatches once, block(out) waits for it."""
     devs = jax.devices()
+    setup, _, middle = setup.partition("+")
+    middle = middle or None
+    dtype = jnp.bfloat16
     if setup in ("one", "one_dev1"):
         dev = devs[0] if setup == "one" else devs[1]
-        x = jax.device_put(jnp.zeros((WIDTH,), jnp.float32), dev)
-        f = jax.jit(chain)
+        x = jax.device_put(jnp.zeros((WIDTH,), dtype), dev)
+        f = jax.jit(partial(chain, middle=middle))
         return (lambda: f(x)), jax.block_until_ready
     if setup == "two_jits":
-        xs = [jax.device_put(jnp.zeros((WIDTH,), jnp.float32), d) for d in devs[:2]]
-        f = jax.jit(chain)
+        xs = [jax.device_put(jnp.zeros((WIDTH,), dtype), d) for d in devs[:2]]
+        f = jax.jit(partial(chain, middle=middle))
         return (lambda: [f(x) for x in xs]), jax.block_until_ready
     mesh = Mesh(np.array(devs[:2]), ("tp",))
-    x = jax.device_put(jnp.zeros((2 * WIDTH,), jnp.float32), NamedSharding(mesh, P("tp")))
-    axis = "tp" if setup == "shard2_psum" else None
-    f = jax.jit(jax.shard_map(partial(chain, psum_axis=axis), mesh=mesh, in_specs=P("tp"),
-                              out_specs=P("tp"), check_vma=False))
+    x = jax.device_put(jnp.zeros((2 * WIDTH,), dtype), NamedSharding(mesh, P("tp")))
+    psum_axis = "tp" if setup == "shard2_psum" else None
+    f = jax.jit(jax.shard_map(partial(chain, psum_axis=psum_axis, middle=middle, axis="tp"), mesh=mesh,
+                              in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     return (lambda: f(x)), jax.block_until_ready
 
 
@@ -99,7 +133,8 @@ def measure(setup: str, trace_root: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--setups", default="one,one_dev1,shard2,shard2_psum,two_jits,one")
+    p.add_argument("--setups", default="one,one_dev1,shard2,shard2_psum,two_jits,one+mosaic,shard2+mosaic,"
+                                       "one+triton,shard2+triton,shard2+axis")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -121,8 +156,8 @@ def main() -> int:
         if "error" in r:
             print(f"{r['setup']:12s} {r['error'][:80]}")
         else:
-            print(f"{r['setup']:12s} {r['wall_us_per_kernel']:15.3f} {r['traced_kernels']:8d} "
-                  f"{r['median_kernel_us']:10.3f} {r['median_gap_us']!s:>7s}")
+            print(f"{r['setup']:14s} {r['wall_us_per_kernel']:15.3f} {r['traced_kernels']:8d} "
+                  f"{r['median_kernel_us']!s:>10s} {r['median_gap_us']!s:>7s}")
     return 0
 
 
