@@ -15,7 +15,8 @@ them keeps XLA from fusing them), run several ways:
 
 A suffix changes the chain's middle kernel: "+mosaic" a Mosaic GPU kernel (`plgpu.kernel`, as the
 decode's GEMMs), "+triton" a Pallas-Triton kernel (`kernels.rms_norm`), "+axis" an XLA fusion that
-reads the device's index (`lax.axis_index`, shard_map setups only).
+reads the device's index (`lax.axis_index`, shard_map setups only), "+heavy" makes every kernel
+also read 32 MB of its own (a sum over a slab, as memory-bound as the decode's GEMMs).
 
 For each: untraced wall µs per kernel (median of 5 runs / kernels), and from a profiler trace the
 kernels per step and the median gap between consecutive kernels on GPU 0. Prints a table, writes
@@ -63,12 +64,18 @@ def triton_step(x):
     return rms_norm(x.reshape(1, -1), jnp.ones((1, x.shape[0]), x.dtype), 0, eps=1e-5).reshape(x.shape)
 
 
-def chain(x, psum_axis=None, middle=None, axis=None):
+SLAB = 16 * 2**20  # bf16 elements a heavy kernel reads: 32 MB
+
+
+def chain(x, slabs=None, psum_axis=None, middle=None, axis=None):
     """STEPS loop iterations of CHAIN separate elementwise kernels (and optionally a tiny psum);
-    `middle` ("mosaic", "triton" or "axis") replaces the middle one."""
+    `middle` ("mosaic", "triton" or "axis") replaces the middle one; with `slabs` [CHAIN, SLAB]
+    each plain kernel also sums its slab."""
     def body(_, x):
         for i in range(CHAIN):
-            if i == CHAIN // 2 and middle == "mosaic":
+            if slabs is not None and not (i == CHAIN // 2 and middle):
+                x = jax.lax.optimization_barrier(x + 1e-6 * jnp.sum(slabs[i], dtype=jnp.float32).astype(x.dtype))
+            elif i == CHAIN // 2 and middle == "mosaic":
                 x = mosaic_step(x)
             elif i == CHAIN // 2 and middle == "triton":
                 x = triton_step(x)
@@ -85,24 +92,45 @@ def chain(x, psum_axis=None, middle=None, axis=None):
 def build(setup: str):
     """(run, block) for one setup: run() dispatches once, block(out) waits for it."""
     devs = jax.devices()
-    setup, _, middle = setup.partition("+")
-    middle = middle or None
-    dtype = jnp.bfloat16
-    if setup in ("one", "one_dev1"):
-        dev = devs[0] if setup == "one" else devs[1]
-        x = jax.device_put(jnp.zeros((WIDTH,), dtype), dev)
-        f = jax.jit(partial(chain, middle=middle))
+    if setup == "psum_only":  # one small psum over both GPUs (sets NCCL up), timed like the rest
+        mesh = Mesh(np.array(devs[:2]), ("tp",))
+        x = jax.device_put(jnp.ones((2, 128), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+        f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P()))
         return (lambda: f(x)), jax.block_until_ready
-    if setup == "two_jits":
-        xs = [jax.device_put(jnp.zeros((WIDTH,), dtype), d) for d in devs[:2]]
-        f = jax.jit(partial(chain, middle=middle))
-        return (lambda: [f(x) for x in xs]), jax.block_until_ready
+    if setup == "enable_peers":  # CUDA peer access between the two GPUs' primary contexts, nothing else
+        import cupy
+        for me, peer in ((0, 1), (1, 0)):
+            with cupy.cuda.Device(me):
+                if not cupy.cuda.runtime.deviceCanAccessPeer(me, peer):
+                    raise RuntimeError(f"GPU {me} cannot access GPU {peer}")
+                try:
+                    cupy.cuda.runtime.deviceEnablePeerAccess(peer)
+                except cupy.cuda.runtime.CUDARuntimeError as e:  # already enabled (by XLA or NCCL)
+                    print(f"enable_peers {me}->{peer}: {e}", flush=True)
+        x = jax.device_put(jnp.zeros((WIDTH,), jnp.bfloat16), devs[0])
+        f = jax.jit(lambda a: a + 1)
+        return (lambda: f(x)), jax.block_until_ready
+    setup, *suffixes = setup.split("+")
+    heavy = "heavy" in suffixes
+    middle = next((s for s in suffixes if s != "heavy"), None)
+    dtype = jnp.bfloat16
+    slab_shape = (CHAIN, SLAB) if heavy else (1, 1)
+
+    def slabs_on(where):
+        return jax.device_put(jnp.ones(slab_shape, dtype), where)
+    if setup in ("one", "one_dev1", "two_jits"):
+        f = jax.jit(lambda x, slabs: chain(x, slabs if heavy else None, middle=middle))
+        targets = {"one": devs[:1], "one_dev1": devs[1:2], "two_jits": devs[:2]}[setup]
+        args = [(jax.device_put(jnp.zeros((WIDTH,), dtype), d), slabs_on(d)) for d in targets]
+        return (lambda: [f(*a) for a in args]), jax.block_until_ready
     mesh = Mesh(np.array(devs[:2]), ("tp",))
     x = jax.device_put(jnp.zeros((2 * WIDTH,), dtype), NamedSharding(mesh, P("tp")))
+    slabs = jax.device_put(jnp.ones((2 * slab_shape[0], slab_shape[1]), dtype), NamedSharding(mesh, P("tp")))
     psum_axis = "tp" if setup == "shard2_psum" else None
-    f = jax.jit(jax.shard_map(partial(chain, psum_axis=psum_axis, middle=middle, axis="tp"), mesh=mesh,
-                              in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
-    return (lambda: f(x)), jax.block_until_ready
+    f = jax.jit(jax.shard_map(lambda x, s: chain(x, s if heavy else None, psum_axis=psum_axis, middle=middle,
+                                                 axis="tp"),
+                              mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp"), check_vma=False))
+    return (lambda: f(x, slabs)), jax.block_until_ready
 
 
 def measure(setup: str, trace_root: str) -> dict:
