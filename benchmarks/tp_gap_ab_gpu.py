@@ -10,7 +10,8 @@ one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE"
 residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-reduce kernel (XLA's
 psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" the all-reduce kernel for up to N
 elements; "tp1+peers" runs one GPU's engine after
-a psum over both GPUs in the same process (NCCL set up, peer access on). XLA reads its flags once per
+a psum over both GPUs in the same process (NCCL set up, peer access on), "tp1+after_tp2" after three
+decode chunks of the 2-GPU engine. XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
@@ -56,6 +57,12 @@ def measure(variant: str) -> dict:
         total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
                                       out_specs=PartitionSpec()))(jnp.ones((2, 128), jnp.bfloat16))
         jax.block_until_ready(total)
+    if "+after_tp2" in variant:  # one GPU's engine in a process that first ran the 2-GPU engine's decode
+        tp2 = Engine(None, tp=TPForward.from_model(init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16),
+                                                    2, loop_mode="inplace", allreduce="kernel"))
+        for _ in range(3):
+            time_engine(tp2, np.ones((1, 16), np.int32), context=1024, steps=STEPS)
+        del tp2
     from jaxdecode import looped_model
     if "-qkv_attend" in variant:  # the q·k·v epilogue as XLA's fusions (the hook off)
         looped_model.KERNEL_CALLS.pop("qkv_attend")
