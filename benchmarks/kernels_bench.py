@@ -54,7 +54,8 @@ CEILING = {"read_gbps": float("nan")}
 # What --smoke changes: calls per timed jit, timed runs, interpret mode, model and shapes.
 RUN = dict(reps=32, runs=5, interpret=False, smoke=False, model=MODELS["llama3_8b"],
            attn_batches=(1, 8, 32), attn_lens=(1024, 4096, 32768), gemm_ms=tune.M_VALUES,
-           loop_layers=16, da_blocks=da.BlockSizes(), fg_blocks=fg.BlockSizes(), out=".")
+           loop_layers=16, da_blocks=da.BlockSizes(), fg_blocks=fg.BlockSizes(), out=".",
+           save=lambda: None)
 
 
 def smoke_mode():
@@ -312,6 +313,7 @@ def bench_attention(quick: bool):
     us = attempt(f"{sname}/torch_sdpa", torch_sdpa)
     if us is not None:
       record("attention", sname, "torch_sdpa", us, a.kv_bytes, batch=b, cache_len=s)
+    RUN["save"]()  # after every shape: a run cut short keeps what it measured
 
 
 def bench_gemm(quick: bool):
@@ -464,6 +466,7 @@ def main():
   def save():  # after every section, so a run cut short still leaves its numbers
     with open(path, "w") as fh:
       json.dump(dict(meta=meta, results=RESULTS), fh, indent=1)
+  RUN["save"] = save
 
   # attention before gemm: the tune table takes its attention entry from those rows
   for name, f in (("correct", check_correctness), ("looped", bench_looped),

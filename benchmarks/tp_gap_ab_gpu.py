@@ -11,7 +11,8 @@ residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-
 psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" the all-reduce kernel for up to N
 elements; "tp1+peers" runs one GPU's engine after
 a psum over both GPUs in the same process (NCCL set up, peer access on), "tp1+after_tp2" after three
-decode chunks of the 2-GPU engine. XLA reads its flags once per
+decode chunks of the 2-GPU engine, "tpx1" one GPU through the tensor-parallel program (`TPForward` over a
+1-device mesh, psum). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
@@ -51,6 +52,7 @@ def measure(variant: str) -> dict:
     from gpu_trace import gpu_pids, track_names, traced_events
 
     tp = 2 if variant.startswith("tp2") else 1
+    via_tp = variant.startswith("tpx1")  # one GPU through the tensor-parallel program (shard_map over 1 device, psum)
     if "+peers" in variant:  # one GPU's engine in a process that first ran a psum over both GPUs
         from jax.sharding import Mesh, PartitionSpec
         mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
@@ -81,8 +83,11 @@ def measure(variant: str) -> dict:
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
     model = init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16)
     allreduce = "psum" if "-psum" in variant else "kernel"  # "tp2-psum": XLA's all-reduce (NCCL), no Mosaic kernel
-    engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace",
-                                                                                allreduce=allreduce))
+    if via_tp:
+        engine = Engine(None, tp=TPForward.from_model(model, 1, loop_mode="inplace", allreduce="psum"))
+    else:
+        engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace",
+                                                                                    allreduce=allreduce))
     prompts = np.ones((batch, 16), np.int32)
     time_engine(engine, prompts, context=1024, steps=STEPS)  # compiles
     runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]
