@@ -80,6 +80,16 @@ class TestFlatGemm:
                               interpret=self.INTERPRET, poison=self._poison(impl))
     _close(out, fg.flat_gemm_swiglu_reference(x, wg, wu, 1))
 
+  def test_swiglu_m128_halves_tile_k_to_fit_two_stages(self):
+    """Two weights at M = 128 and tile_k 256 need 128 KiB a stage: the kernel must halve tile_k so that
+    its two pipeline stages fit (it raised "max_concurrent_steps must be greater than ..." before)."""
+    shape = TEST_GEMM["tiny_m128_k256_n64"]
+    x, wg, wu, _ = _inputs(shape, seed=5)
+    cfg = fg.BlockSizes(tile_n=64, tile_k=256, max_concurrent_steps=4)
+    out = fg.flat_gemm_swiglu(x, wg, wu, 0, impl="mosaic", block_sizes=cfg, interpret=self.INTERPRET,
+                              poison=self.INTERPRET)
+    _close(out, fg.flat_gemm_swiglu_reference(x, wg, wu, 0))
+
   def test_unstacked_weight_and_k_splits(self):
     shape = TEST_GEMM["tiny_m8_k512_n128"]
     x, w, _, _ = _inputs(shape, seed=2)
