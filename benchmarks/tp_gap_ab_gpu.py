@@ -11,8 +11,7 @@ residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-
 psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" the all-reduce kernel for up to N
 elements; "tp1+peers" runs one GPU's engine after
 a psum over both GPUs in the same process (NCCL set up, peer access on), "tp1+after_tp2" after three
-decode chunks of the 2-GPU engine, "-slice_first" the stream GEMM's old
-combine (sum the slots, then slice off the padding rows), "tpx1" one GPU through the tensor-parallel program (`TPForward` over a
+decode chunks of the 2-GPU engine, "tpx1" one GPU through the tensor-parallel program (`TPForward` over a
 1-device mesh, psum). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
@@ -79,15 +78,6 @@ def measure(variant: str) -> dict:
     if "^" in variant:  # "^N": the all-reduce kernel takes activations of up to N elements (batch 8: 32768)
         from kernels import allreduce
         allreduce.PERSISTENT_MAX_ELEMENTS = int(re.search(r"\^(\d+)", variant).group(1))
-    if "-slice_first" in variant:  # the stream GEMM's combine as before 2026-12-01: sum the slots, then slice rows
-        from kernels import flat_gemm_stream
-
-        def sum_then_slice(partials, sched, tile_n, m):
-            p, rows, m8 = partials.shape
-            parts = partials.reshape(p, sched.tile_count, tile_n, m8)
-            written = jnp.asarray(sched.written())[:, :, None, None]
-            return jnp.where(written, parts, 0.0).sum(axis=0).reshape(rows, m8)[:, :m].T
-        flat_gemm_stream.combine = sum_then_slice
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1

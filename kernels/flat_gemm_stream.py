@@ -229,15 +229,12 @@ def tma_reads_unpadded(m: int) -> bool:
 
 
 def combine(partials, sched: Schedule, tile_n: int, m: int) -> jax.Array:
-  """Sum the written slots: [P, T·tile_n, M8] -> y [M, T·tile_n] f32 (one XLA fusion).
-
-  The padding rows M..M8 are sliced off before the sum: summed first, XLA ran the sum and the slice
-  as two kernels (2 H200s, batch 1: `loop_add_fusion` then `loop_slice_fusion`)."""
+  """Sum the written slots: [P, T·tile_n, M8] -> y [M, T·tile_n] f32 (one XLA fusion)."""
   p, rows, m8 = partials.shape
-  parts = partials[:, :, :m].reshape(p, sched.tile_count, tile_n, m)
+  parts = partials.reshape(p, sched.tile_count, tile_n, m8)
   written = jnp.asarray(sched.written())[:, :, None, None]  # [P, T, 1, 1]
-  y = jnp.where(written, parts, 0.0).sum(axis=0).reshape(rows, m)  # [T·tile_n, M]
-  return y.T
+  y = jnp.where(written, parts, 0.0).sum(axis=0).reshape(rows, m8)  # [T·tile_n, M8]
+  return y[:, :m].T
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
