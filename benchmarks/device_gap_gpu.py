@@ -155,7 +155,19 @@ def measure(setup: str, trace_root: str) -> dict:
                 traced_kernels=len(kernels), median_kernel_us=round(
                     statistics.median(d for _, d in kernels), 3) if kernels else None,
                 median_gap_us=round(statistics.median(inner), 3) if inner else None,
-                long_gaps=len(gaps) - len(inner))
+                long_gaps=len(gaps) - len(inner),
+                # every kind of event on GPU 0 (per stream: count and longest), to catch work left running
+                gpu0_events=_event_kinds(events, gpu0, names))
+
+
+def _event_kinds(events, pid, names) -> dict:
+    kinds: dict = {}
+    for e in events:
+        if e.get("pid") == pid and e.get("ph") == "X":
+            key = f"{names.get((pid, e.get('tid')), e.get('tid'))} | {e['name'][:40]}"
+            count, longest = kinds.get(key, (0, 0.0))
+            kinds[key] = (count + 1, round(max(longest, e.get("dur", 0.0)), 2))
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1][0])[:12])
 
 
 def main() -> int:
