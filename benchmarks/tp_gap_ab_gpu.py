@@ -11,7 +11,8 @@ residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-
 psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" the all-reduce kernel for up to N
 elements; "tp1+peers" runs one GPU's engine after
 a psum over both GPUs in the same process (NCCL set up, peer access on), "tp1+after_tp2" after three
-decode chunks of the 2-GPU engine, "tpx1" one GPU through the tensor-parallel program (`TPForward` over a
+decode chunks of the 2-GPU engine, "tp1+loop_psum" after a small 2-GPU program with a psum inside a loop
+(which leaves every later kernel boundary of the process slower, see device_gap_gpu.py), "tpx1" one GPU through the tensor-parallel program (`TPForward` over a
 1-device mesh, psum). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
@@ -59,6 +60,10 @@ def measure(variant: str) -> dict:
         total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
                                       out_specs=PartitionSpec()))(jnp.ones((2, 128), jnp.bfloat16))
         jax.block_until_ready(total)
+    if "+loop_psum" in variant:  # first a small 2-GPU program with a psum inside a loop (benchmarks/device_gap_gpu.py)
+        from device_gap_gpu import build
+        run, block = build("shard2_psum")
+        block(run())
     if "+after_tp2" in variant:  # one GPU's engine in a process that first ran the 2-GPU engine's decode
         tp2 = Engine(None, tp=TPForward.from_model(init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16),
                                                     2, loop_mode="inplace", allreduce="kernel"))
