@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

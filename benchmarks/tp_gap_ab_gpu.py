@@ -12,8 +12,8 @@ psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" th
 elements; "tp1+peers" runs one GPU's engine after
 a psum over both GPUs in the same process (NCCL set up, peer access on), "tp1+after_tp2" after three
 decode chunks of the 2-GPU engine, "tp1+loop_psum" after a small 2-GPU program with a psum inside a loop
-(which leaves every later kernel boundary of the process slower, see device_gap_gpu.py), "tpx1" one GPU through the tensor-parallel program (`TPForward` over a
-1-device mesh, psum). XLA reads its flags once per
+(which leaves every later kernel boundary of the process slower, see device_gap_gpu.py), "tpx1" one GPU
+through the tensor-parallel program (`TPForward` over a 1-device mesh, psum). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
