@@ -9,11 +9,12 @@ one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE"
 "tp1-qkv_attend" turns the q·k·v epilogue kernel off, "tp2-residual_norm" the all-reduce kernel's
 residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-reduce kernel (XLA's
 psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" the all-reduce kernel for up to N
-elements; "tp1+peers" runs one GPU's engine after
-a psum over both GPUs in the same process (NCCL set up, peer access on), "tp1+after_tp2" after three
-decode chunks of the 2-GPU engine, "tp1+loop_psum" after a small 2-GPU program with a psum inside a loop
-(which leaves every later kernel boundary of the process slower, see device_gap_gpu.py), "tpx1" one GPU
-through the tensor-parallel program (`TPForward` over a 1-device mesh, psum). XLA reads its flags once per
+elements; "tp1+peers" runs one GPU's engine after a psum over both GPUs in the same process (NCCL set up,
+peer access on), "tp1+after_tp2" after three decode chunks of the 2-GPU engine, "tp1+loop_psum" after a
+small 2-GPU program with a psum inside a loop (which leaves every later kernel boundary of the process
+slower, see device_gap_gpu.py); "tp2-psum-nocomm" is TP2 with the layers' all-reduces left out (wrong
+values, timing only), "tpx1" one GPU through the tensor-parallel program (`TPForward` over a 1-device
+mesh, psum). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
@@ -83,6 +84,9 @@ def measure(variant: str) -> dict:
     if "^" in variant:  # "^N": the all-reduce kernel takes activations of up to N elements (batch 8: 32768)
         from kernels import allreduce
         allreduce.PERSISTENT_MAX_ELEMENTS = int(re.search(r"\^(\d+)", variant).group(1))
+    if "-nocomm" in variant:  # timing only: the layers' all-reduces left out (each device adds its own partial)
+        from jaxdecode import model as model_module
+        model_module.tp_residual_add = lambda x, block_out, cfg: x + block_out
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
