@@ -14,7 +14,8 @@ peer access on), "tp1+after_tp2" after three decode chunks of the 2-GPU engine, 
 small 2-GPU program with a psum inside a loop (which leaves every later kernel boundary of the process
 slower, see device_gap_gpu.py); "tp2-psum-nocomm" is TP2 with the layers' all-reduces left out (wrong
 values, timing only), "tpx1" one GPU through the tensor-parallel program (`TPForward` over a 1-device
-mesh, psum). XLA reads its flags once per
+mesh, psum), "tp1half" one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no
+all-reduce). XLA reads its flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
@@ -90,7 +91,13 @@ def measure(variant: str) -> dict:
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
-    model = init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16)
+    preset = get_preset("llama-3.1-8b")
+    if "half" in variant:  # "tp1half": one GPU, one TP2 shard's shapes (half the heads, FFN and vocab), no all-reduce
+        import dataclasses
+        preset = dataclasses.replace(preset, name=preset.name + "-tp2-shard", n_heads=preset.n_heads // 2,
+                                     n_kv_heads=preset.n_kv_heads // 2, ffn_dim=preset.ffn_dim // 2,
+                                     head_dim=preset.dim // preset.n_heads, vocab_size=preset.vocab_size // 2)
+    model = init_random(preset, seed=0, dtype=jnp.bfloat16)
     allreduce = "psum" if "-psum" in variant else "kernel"  # "tp2-psum": XLA's all-reduce (NCCL), no Mosaic kernel
     if via_tp:
         engine = Engine(None, tp=TPForward.from_model(model, 1, loop_mode="inplace", allreduce="psum"))
