@@ -337,3 +337,44 @@ def test_preflight_is_per_device():
 
 if __name__ == "__main__":
     print(json.dumps(worker(int(sys.argv[1]))))
+
+
+def test_device_gap_chains_compute_the_same_on_one_device_and_two():
+    """benchmarks/device_gap_gpu.py's setups (2 fake CPU devices, small slabs): every setup without a
+    psum computes the chain one device computes, on each device (the sharded and concurrent forms run the
+    same kernels, which is what the gap comparison assumes); with a psum, the chain plus the psum's term."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = """
+import json, numpy as np, jax
+from benchmarks import device_gap_gpu as d
+d.SLAB = 256
+out = {}
+for s in ("one", "one_dev1", "two_jits", "shard2", "shard2_psum", "shard2+axis", "one+heavy", "shard2+heavy"):
+    run, block = d.build(s)
+    res = block(run())
+    out[s] = [np.asarray(r, np.float32).reshape(-1).tolist() for r in (res if isinstance(res, list) else [res])]
+print(json.dumps(out))
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {k: [np.asarray(v, np.float32) for v in vs] for k, vs in json.loads(proc.stdout.splitlines()[-1]).items()}
+    (one,) = out["one"]
+    assert one.shape == (8192,) and np.isfinite(one).all() and np.ptp(one) == 0 and one[0] != 0
+    np.testing.assert_array_equal(out["one_dev1"][0], one)
+    for a in out["two_jits"]:
+        np.testing.assert_array_equal(a, one)
+    np.testing.assert_array_equal(out["shard2"][0], np.concatenate([one, one]))
+    # with the psum, each step adds 1e-6 · (sum over both devices of x[0]): bf16 keeps it or not, but the
+    # two devices must agree element for element, and the result must stay near the plain chain's
+    psum = out["shard2_psum"][0].reshape(2, -1)
+    np.testing.assert_array_equal(psum[0], psum[1])
+    np.testing.assert_allclose(psum[0], one, atol=0.05)
+    # device 1 adds its index (1) once a step, and the chain's sin steps forget it again (a contraction to
+    # one fixed point): both halves end where the plain chain ends
+    axis = out["shard2+axis"][0].reshape(2, -1)
+    np.testing.assert_allclose(axis, np.stack([one, one]), atol=0.02)
+    # every heavy kernel adds 1e-6 · (a sum of ones over the slab): a small, equal shift on one device and two
+    (heavy,) = out["one+heavy"]
+    np.testing.assert_array_equal(out["shard2+heavy"][0], np.concatenate([heavy, heavy]))
