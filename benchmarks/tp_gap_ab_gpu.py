@@ -13,9 +13,10 @@ elements; "tp1+peers" runs one GPU's engine after a psum over both GPUs in the s
 peer access on), "tp1+after_tp2" after three decode chunks of the 2-GPU engine, "tp1+loop_psum" after a
 small 2-GPU program with a psum inside a loop (which leaves every later kernel boundary of the process
 slower, see device_gap_gpu.py); "tp2-psum-nocomm" is TP2 with the layers' all-reduces left out (wrong
-values, timing only), "tpx1" one GPU through the tensor-parallel program (`TPForward` over a 1-device
-mesh, psum), "tp1half" one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no
-all-reduce). XLA reads its flags once per
+values, timing only), "tp2-psum-nocoll" also without the embedding's psum and the LM head's gather,
+"tpx1" one GPU through the tensor-parallel program (`TPForward` over a 1-device mesh, psum), "tp1half"
+one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce). XLA reads its
+flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
@@ -85,9 +86,13 @@ def measure(variant: str) -> dict:
     if "^" in variant:  # "^N": the all-reduce kernel takes activations of up to N elements (batch 8: 32768)
         from kernels import allreduce
         allreduce.PERSISTENT_MAX_ELEMENTS = int(re.search(r"\^(\d+)", variant).group(1))
-    if "-nocomm" in variant:  # timing only: the layers' all-reduces left out (each device adds its own partial)
+    if "-nocomm" in variant or "-nocoll" in variant:  # timing only: the layers' all-reduces left out
         from jaxdecode import model as model_module
         model_module.tp_residual_add = lambda x, block_out, cfg: x + block_out
+    if "-nocoll" in variant:  # timing only: no collective anywhere (also the embedding's psum, the LM head's gather)
+        jax.lax.psum = lambda x, axis_name, **kw: x
+        jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
+            jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
