@@ -56,6 +56,10 @@ def measure(variant: str) -> dict:
     from gpu_trace import gpu_pids, track_names, traced_events
 
     tp = 2 if variant.startswith("tp2") else 1
+
+    def tp_engine(model, devices, allreduce):  # the looped in-place engine over `devices` GPUs
+        return Engine(None, tp=TPForward.from_model(model, devices, loop_mode="inplace", allreduce=allreduce))
+
     via_tp = variant.startswith("tpx1")  # one GPU through the tensor-parallel program (shard_map over 1 device, psum)
     if "+peers" in variant:  # one GPU's engine in a process that first ran a psum over both GPUs
         from jax.sharding import Mesh, PartitionSpec
@@ -68,8 +72,7 @@ def measure(variant: str) -> dict:
         run, block = build("shard2_psum")
         block(run())
     if "+after_tp2" in variant:  # one GPU's engine in a process that first ran the 2-GPU engine's decode
-        tp2 = Engine(None, tp=TPForward.from_model(init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16),
-                                                    2, loop_mode="inplace", allreduce="kernel"))
+        tp2 = tp_engine(init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16), 2, "kernel")
         for _ in range(3):
             time_engine(tp2, np.ones((1, 16), np.int32), context=1024, steps=STEPS)
         del tp2
@@ -97,7 +100,7 @@ def measure(variant: str) -> dict:
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
     preset = get_preset("llama-3.1-8b")
-    if "half" in variant:  # "tp1half": one GPU, one TP2 shard's shapes (half the heads, FFN and vocab), no all-reduce
+    if variant.startswith("tp1half"):  # one GPU, one TP2 shard's shapes (half the heads, FFN and vocab), no all-reduce
         import dataclasses
         preset = dataclasses.replace(preset, name=preset.name + "-tp2-shard", n_heads=preset.n_heads // 2,
                                      n_kv_heads=preset.n_kv_heads // 2, ffn_dim=preset.ffn_dim // 2,
@@ -105,10 +108,9 @@ def measure(variant: str) -> dict:
     model = init_random(preset, seed=0, dtype=jnp.bfloat16)
     allreduce = "psum" if "-psum" in variant else "kernel"  # "tp2-psum": XLA's all-reduce (NCCL), no Mosaic kernel
     if via_tp:
-        engine = Engine(None, tp=TPForward.from_model(model, 1, loop_mode="inplace", allreduce="psum"))
+        engine = tp_engine(model, 1, "psum")
     else:
-        engine = Engine(model) if tp == 1 else Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace",
-                                                                                    allreduce=allreduce))
+        engine = Engine(model) if tp == 1 else tp_engine(model, 2, allreduce)
     prompts = np.ones((batch, 16), np.int32)
     time_engine(engine, prompts, context=1024, steps=STEPS)  # compiles
     runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]

@@ -160,13 +160,17 @@ def _mosaic_call(layer, x, ws, cfg: BlockSizes, interpret: bool, poison: bool):
   if poison and not interpret:
     raise ValueError("poison needs interpret mode for the mosaic kernel: plgpu.kernel takes no "
                      "input_output_aliases in jax 0.11")
+
+  def stage_bytes(c: BlockSizes) -> int:  # bf16 x tile + weight tiles
+    return 2 * c.tile_k * (m8 + len(ws) * c.tile_n)
+
   # The pipeline releases each stage one step late (delay_release=1), so it needs two stages in
   # shared memory: where two do not fit (SwiGLU at M = 128: 128 KiB a stage), halve tile_k.
-  while 2 * 2 * cfg.tile_k * (m8 + len(ws) * cfg.tile_n) > cfg.smem_bytes and cfg.tile_k > 64:
+  while 2 * stage_bytes(cfg) > cfg.smem_bytes and cfg.tile_k > 64:
     cfg = dataclasses.replace(cfg, tile_k=cfg.tile_k // 2)
   splits = _k_splits(n, k, cfg)
   x = jnp.pad(x, ((0, m8 - m), (0, 0)))  # [M8, K]
-  per_stage = 2 * cfg.tile_k * (m8 + len(ws) * cfg.tile_n)  # bf16 x tile + weight tiles
+  per_stage = stage_bytes(cfg)
   stages = _stages(per_stage, cfg, cfg.max_concurrent_steps)
   if stages < 2:
     raise ValueError(f"two pipeline stages of {per_stage} bytes exceed {cfg.smem_bytes=}: M={m} is too "

@@ -335,10 +335,6 @@ def test_preflight_is_per_device():
     assert preflight(cfg, itemsize=2, context=1024, looped=False, available=h200, tp=2).total < h200
 
 
-if __name__ == "__main__":
-    print(json.dumps(worker(int(sys.argv[1]))))
-
-
 def test_device_gap_chains_compute_the_same_on_one_device_and_two():
     """benchmarks/device_gap_gpu.py's setups (2 fake CPU devices, small slabs): every setup without a
     psum computes the chain one device computes, on each device (the sharded and concurrent forms run the
@@ -378,3 +374,7 @@ print(json.dumps(out))
     # every heavy kernel adds 1e-6 · (a sum of ones over the slab): a small, equal shift on one device and two
     (heavy,) = out["one+heavy"]
     np.testing.assert_array_equal(out["shard2+heavy"][0], np.concatenate([heavy, heavy]))
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(int(sys.argv[1]))))
