@@ -12,6 +12,8 @@ them keeps XLA from fusing them), run several ways:
   shard2     shard_map over both GPUs, the same chain on each, no communication
   shard2_psum  as shard2, plus a psum of one float per loop step (what a TP layer has)
   two_jits   the one-GPU jit dispatched to GPU 0 and to GPU 1 back to back, so both run at once
+  psum_only  one small psum over both GPUs, nothing else (NCCL set up)
+  enable_peers  CUDA peer access between the GPUs switched on by hand (CuPy), then one small kernel
 
 A suffix changes the chain's middle kernel: "+mosaic" a Mosaic GPU kernel (`plgpu.kernel`, as the
 decode's GEMMs), "+triton" a Pallas-Triton kernel (`kernels.rms_norm`), "+axis" an XLA fusion that
@@ -39,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from benchmarks.gpu_trace import gpu_pids, track_names, traced_events  # noqa: E402
+from benchmarks.gpu_trace import gpu_pids, kernel_events, track_names, traced_events  # noqa: E402
 
 STEPS, CHAIN, WIDTH = 32, 12, 8192
 
@@ -143,9 +145,7 @@ def measure(setup: str, trace_root: str) -> dict:
     events = traced_events(lambda: block(run()), os.path.join(trace_root, setup))
     names = track_names(events)
     gpu0 = min(gpu_pids(names))
-    kernels = sorted((e["ts"], e["dur"]) for e in events
-                     if e.get("ph") == "X" and e.get("pid") == gpu0 and "dur" in e
-                     and "memcpy" not in e.get("name", "").lower())
+    kernels = sorted((e["ts"], e["dur"]) for e in kernel_events(events, {gpu0}))
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(kernels, kernels[1:])]
     inner = [g for g in gaps if g < 2.0]
     n = STEPS * CHAIN
@@ -190,10 +190,10 @@ def main() -> int:
         json.dump(old + rows, fh, indent=1)
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, XLA_FLAGS={flags!r}")
-    print(f"{'setup':12s} {'wall µs/kernel':>15s} {'kernels':>8s} {'kernel µs':>10s} {'gap µs':>7s}")
+    print(f"{'setup':14s} {'wall µs/kernel':>15s} {'kernels':>8s} {'kernel µs':>10s} {'gap µs':>7s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['setup']:12s} {r['error'][:80]}")
+            print(f"{r['setup']:14s} {r['error'][:80]}")
         else:
             print(f"{r['setup']:14s} {r['wall_us_per_kernel']:15.3f} {r['traced_kernels']:8d} "
                   f"{r['median_kernel_us']!s:>10s} {r['median_gap_us']!s:>7s}")

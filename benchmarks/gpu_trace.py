@@ -35,3 +35,9 @@ def track_names(events) -> dict:
 def gpu_pids(names: dict) -> set:
     """The pids of the GPU devices' tracks."""
     return {pid for (pid, tid), n in names.items() if tid is None and "/device:GPU" in n}
+
+
+def kernel_events(events, pids) -> list[dict]:
+    """The kernels ("X" events, memory copies left out) on the GPU tracks `pids`, in trace order."""
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e
+            and "memcpy" not in e.get("name", "").lower()]

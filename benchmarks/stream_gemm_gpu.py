@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels_bench as kb  # noqa: E402  (sets XLA_FLAGS before jax is imported)
-from gpu_trace import gpu_pids, track_names, traced_events  # noqa: E402
+from gpu_trace import gpu_pids, kernel_events, track_names, traced_events  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -225,8 +225,7 @@ def profile_decode(out_dir):
   events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=32),
                          os.path.join(out_dir, "trace"))
   on_gpu = gpu_pids(track_names(events))
-  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in on_gpu
-             and "memcpy" not in e.get("name", "").lower()]
+  kernels = kernel_events(events, on_gpu)
   by_tid = defaultdict(list)
   for e in kernels:
     by_tid[(e["pid"], e["tid"])].append(e)

@@ -53,7 +53,7 @@ def measure(variant: str) -> dict:
     from jaxdecode.tp import TPForward
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_trace import gpu_pids, track_names, traced_events
+    from gpu_trace import gpu_pids, kernel_events, track_names, traced_events
 
     tp = 2 if variant.startswith("tp2") else 1
 
@@ -121,9 +121,8 @@ def measure(variant: str) -> dict:
     events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=STEPS), out_dir)
     gpu0 = min(gpu_pids(track_names(events)))
     streams = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") == gpu0 and "memcpy" not in e.get("name", "").lower():
-            streams[e["tid"]].append(e)
+    for e in kernel_events(events, {gpu0}):
+        streams[e["tid"]].append(e)
     evs = sorted(max(streams.values(), key=len), key=lambda e: e["ts"])
     names = [e["name"][:60] for e in evs]
     # one decode step: between the last two launches of the LM head (the longest kernel run once a step)
