@@ -15,7 +15,11 @@ small 2-GPU program with a psum inside a loop (which leaves every later kernel b
 slower, see device_gap_gpu.py); "tp2-psum-nocomm" is TP2 with the layers' all-reduces left out (wrong
 values, timing only), "tp2-psum-nocoll" also without the embedding's psum and the LM head's gather,
 "tpx1" one GPU through the tensor-parallel program (`TPForward` over a 1-device mesh, psum), "tp1half"
-one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce). XLA reads its
+one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce); "+pdl" launches
+the Stream-K GEMMs with programmatic dependent launch (`flat_gemm_stream.PDL`) and lets the all-reduce
+kernel start them early (`allreduce.LAUNCH_DEPENDENTS`). "VARIANT|N" runs a one-GPU variant in N
+processes at once, one per GPU (CUDA_VISIBLE_DEVICES), timed and traced together (a file barrier):
+do two GPUs busy with the same decode, with no program in common, show TP2's gaps? XLA reads its
 flags once per
 process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
@@ -38,6 +42,7 @@ from collections import defaultdict
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
 
 STEPS = 32
+PRESET = os.environ.get("TP_GAP_PRESET", "llama-3.1-8b")  # a tiny-* preset runs the harness on the CPU (smoke)
 
 
 def measure(variant: str) -> dict:
@@ -72,7 +77,7 @@ def measure(variant: str) -> dict:
         run, block = build("shard2_psum")
         block(run())
     if "+after_tp2" in variant:  # one GPU's engine in a process that first ran the 2-GPU engine's decode
-        tp2 = tp_engine(init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16), 2, "kernel")
+        tp2 = tp_engine(init_random(get_preset(PRESET), seed=0, dtype=jnp.bfloat16), 2, "kernel")
         for _ in range(3):
             time_engine(tp2, np.ones((1, 16), np.int32), context=1024, steps=STEPS)
         del tp2
@@ -96,10 +101,14 @@ def measure(variant: str) -> dict:
         jax.lax.psum = lambda x, axis_name, **kw: x
         jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
             jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
+    if "+pdl" in variant:  # Stream-K GEMMs with programmatic dependent launch; the all-reduce kernel lets them start
+        from kernels import allreduce as allreduce_module
+        from kernels import flat_gemm_stream
+        flat_gemm_stream.PDL = allreduce_module.LAUNCH_DEPENDENTS = True
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
-    preset = get_preset("llama-3.1-8b")
+    preset = get_preset(PRESET)
     if variant.startswith("tp1half"):  # one GPU, one TP2 shard's shapes (half the heads, FFN and vocab), no all-reduce
         import dataclasses
         preset = dataclasses.replace(preset, name=preset.name + "-tp2-shard", n_heads=preset.n_heads // 2,
@@ -113,7 +122,9 @@ def measure(variant: str) -> dict:
         engine = Engine(model) if tp == 1 else tp_engine(model, 2, allreduce)
     prompts = np.ones((batch, 16), np.int32)
     time_engine(engine, prompts, context=1024, steps=STEPS)  # compiles
+    _barrier("timed")
     runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]
+    _barrier("traced")
     step_us = min(t.decode_s / t.steps for t in runs) * 1e6
     temp = [c.memory_analysis().temp_size_in_bytes for steps in getattr(engine, "_bench_compiled", {}).values()
             for c in steps if hasattr(c, "memory_analysis")]
@@ -161,6 +172,41 @@ def measure(variant: str) -> dict:
     return row
 
 
+def _barrier(name: str) -> None:
+    """Wait until every process of a "VARIANT|N" run reaches this point (files in $TP_GAP_BARRIER)."""
+    folder = os.environ.get("TP_GAP_BARRIER")
+    if not folder:
+        return
+    import glob
+    import time
+    open(os.path.join(folder, f"{name}.{os.getpid()}"), "w").close()
+    deadline = time.time() + 600
+    while len(glob.glob(os.path.join(folder, f"{name}.*"))) < int(os.environ["TP_GAP_PARTIES"]):
+        if time.time() > deadline:
+            raise TimeoutError(f"barrier {name}: the other processes did not arrive")
+        time.sleep(0.005)
+
+
+def _concurrent_rows(variant: str, env: dict) -> list[str]:
+    """"BASE|N": BASE in N processes at once, process i on GPU i only; their rows, tagged /gpuI."""
+    import tempfile
+    base, parties = variant.split("|")
+    folder = tempfile.mkdtemp(prefix="tp_gap_barrier_")
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", base], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=dict(env, CUDA_VISIBLE_DEVICES=str(i), TP_GAP_BARRIER=folder,
+                                                               TP_GAP_PARTIES=parties))
+             for i in range(int(parties))]
+    rows = []
+    for i, proc in enumerate(procs):
+        stdout, stderr = proc.communicate()
+        found = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
+        if proc.returncode or not found:
+            print(f"{variant} on GPU {i}: failed (rc {proc.returncode})\n{stderr[-3000:]}", flush=True)
+            continue
+        rows.append(json.dumps(dict(found[0], variant=f"{variant}/gpu{i}")))
+    return rows
+
+
 def main() -> int:
     if "--child" in sys.argv:
         print("ROW " + json.dumps(measure(sys.argv[sys.argv.index("--child") + 1])), flush=True)
@@ -176,6 +222,12 @@ def main() -> int:
         if ":" in variant:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                                 f" --xla_gpu_command_buffer_scheduling_mode={variant.split(':')[1]}").strip()
+        if "|" in variant:
+            for row in _concurrent_rows(variant, env):
+                print(row, flush=True)
+                with open(out, "a") as fh:
+                    fh.write(row + "\n")
+            continue
         proc = subprocess.run([sys.executable, __file__, "--child", variant], env=env, capture_output=True, text=True)
         rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
         if proc.returncode or not rows:

@@ -294,3 +294,46 @@ def test_kernel_with_norm_equals_psum_add_then_norm_on_gpus(batch, dim):
         assert np.array_equal(n[:batch], n[batch:])
         np.testing.assert_allclose(n, ref_n, rtol=2.0**-7, atol=0)
         assert (n == ref_n).mean() > 0.99  # one step apart only where the two sums of squares round apart
+
+
+@pytest.mark.skipif(not _hopper_pair(), reason="needs 2 Hopper GPUs (the kernel is Mosaic GPU with remote refs)")
+def test_gemm_launched_during_the_exchange_reads_the_normed_sum_on_gpus():
+    """With `launch_dependents`, the all-reduce kernel lets the next kernel start as it starts; the
+    Stream-K GEMM with PDL then loads weights at once but must read its x, the kernel's normed sum, only
+    after the exchange ends. 20 dependent rounds of all-reduce + norm → GEMM, each GEMM output the next
+    partial: the outputs equal, bit for bit, those of the same kernels launched one after the other."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdecode.tp import AXIS, make_mesh
+    from kernels import flat_gemm_stream as fs
+
+    mesh = make_mesh(2)
+    dim, batch = 4096, 1
+    rng = np.random.default_rng(7)
+    norm_w = jnp.asarray(1 + 0.2 * rng.standard_normal((3, dim)), jnp.bfloat16)
+    gemm_w = jnp.asarray(rng.standard_normal((3, dim, dim)) / np.sqrt(dim), jnp.bfloat16)
+
+    def run(pdl: bool):
+        bufs = allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16)
+
+        def body(v, r, *b):
+            def step(i, carry):
+                v, r = carry
+                s, n = allreduce.all_reduce_persistent(v, AXIS, *b, residual=r, norm=(norm_w, jnp.int32(1), 1e-5),
+                                                       launch_dependents=pdl)
+                y = fs.flat_gemm_multi(n, (gemm_w,), jnp.int32(2), block_sizes=fs.StreamBlocks(pdl=pdl))[0]
+                return y * jnp.asarray(0.5, y.dtype), s
+            return jax.lax.fori_loop(0, 20, step, (v, r))
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(AXIS), P(AXIS)),
+                                   out_specs=(P(AXIS), P(AXIS)), check_vma=False))
+        x = jnp.asarray(rng.standard_normal((2 * batch, dim)), jnp.bfloat16)
+        r = jnp.asarray(rng.standard_normal((batch, dim)), jnp.bfloat16)
+        return [np.asarray(a, np.float32) for a in fn(x, r, *bufs)]
+
+    rng_state = rng.bit_generator.state
+    serial = run(False)
+    rng.bit_generator.state = rng_state  # the same inputs
+    overlapped = run(True)
+    assert all(np.isfinite(a).all() for a in serial)
+    for a, b in zip(overlapped, serial):
+        assert np.array_equal(a, b)
