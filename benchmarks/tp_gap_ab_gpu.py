@@ -15,13 +15,11 @@ small 2-GPU program with a psum inside a loop (which leaves every later kernel b
 slower, see device_gap_gpu.py); "tp2-psum-nocomm" is TP2 with the layers' all-reduces left out (wrong
 values, timing only), "tp2-psum-nocoll" also without the embedding's psum and the LM head's gather,
 "tpx1" one GPU through the tensor-parallel program (`TPForward` over a 1-device mesh, psum), "tp1half"
-one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce); "+pdl" launches
-the Stream-K GEMMs with programmatic dependent launch (`flat_gemm_stream.PDL`) and lets the all-reduce
-kernel start them early (`allreduce.LAUNCH_DEPENDENTS`). "VARIANT|N" runs a one-GPU variant in N
-processes at once, one per GPU (CUDA_VISIBLE_DEVICES), timed and traced together (a file barrier):
-do two GPUs busy with the same decode, with no program in common, show TP2's gaps? XLA reads its
-flags once per
-process, so each variant runs in its own process. Per variant: the untraced
+one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce). "VARIANT|N"
+runs a one-GPU variant in N processes at once, one per GPU (CUDA_VISIBLE_DEVICES), timed and traced
+together (a file barrier): do two GPUs busy with the same decode, with no program in common, show
+TP2's gaps? TP_GAP_PRESET names another model preset (a tiny one runs the harness up to the trace on
+the CPU). XLA reads its flags once per process, so each variant runs in its own process. Per variant: the untraced
 ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
 GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
 streams), and on the busiest stream the kernel time per step against the untraced step and the
@@ -101,10 +99,6 @@ def measure(variant: str) -> dict:
         jax.lax.psum = lambda x, axis_name, **kw: x
         jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
             jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
-    if "+pdl" in variant:  # Stream-K GEMMs with programmatic dependent launch; the all-reduce kernel lets them start
-        from kernels import allreduce as allreduce_module
-        from kernels import flat_gemm_stream
-        flat_gemm_stream.PDL = allreduce_module.LAUNCH_DEPENDENTS = True
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1

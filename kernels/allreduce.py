@@ -131,13 +131,11 @@ _exchange_flags = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)(_exchange)
 
 
 def _persistent_kernel(x_ref, state_ref, mailbox_ref, *refs, axis: str, chunk: int, residual: bool,
-                       norm: tuple[int, float] | None, launch_dependents: bool):
+                       norm: tuple[int, float] | None):
   """x_ref [N]; state_ref [4] int32 and mailbox_ref [4, MAX] persist across calls (inputs); refs: the
   residual r [N] when `residual`; the layer index [1] int32 and the norm weights [L, D] when `norm` =
   (D, eps); then the output y [N] = Σ x (+ r), rounded as `r + psum(x)` rounds, and with `norm` the
   RMSNorm of each row of y (D elements) [N], rounded as `model.rms_norm` rounds."""
-  if launch_dependents:  # the next kernel, if launched with PDL, may start now (it waits for our end itself)
-    plgpu.griddepcontrol_launch_dependents()
   refs = list(refs)
   r_ref = refs.pop(0) if residual else None
   layer_ref, w_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
@@ -202,15 +200,8 @@ def persistent_buffers(mesh, axis: str, dtype, start: int = 0) -> tuple[jax.Arra
   return state, mailbox
 
 
-# True: the barrier-free kernel lets the next kernel launch as it starts (`griddepcontrol.launch_dependents`),
-# so a kernel launched with programmatic dependent launch (the Stream-K GEMM with `flat_gemm_stream.PDL`)
-# fills its weight pipeline while the two devices exchange. Off until measured on 2 GPUs.
-LAUNCH_DEPENDENTS = False
-
-
 def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: jax.Array,
-                          residual: jax.Array | None = None, norm: tuple | None = None,
-                          launch_dependents: bool | None = None):
+                          residual: jax.Array | None = None, norm: tuple | None = None):
   """Σ over the 2-device mesh axis `axis` of x (plus `residual`, of x's shape and dtype, when given:
   the block's residual add in the same kernel), by the barrier-free kernel (no XLA barrier, no
   zeroing): state [4] int32 and mailbox [4, MAX_ELEMENTS] are this device's shards of
@@ -218,7 +209,7 @@ def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: ja
 
   norm = (weights [L, D], layer, eps): also the RMSNorm that follows the sum, `weights[layer] * y /
   rms(y)` over each row of y [..., D] (`model.residual_norm`); returns (y, normed) then, else y. The
-  weight row is read in place from its stack. launch_dependents: see LAUNCH_DEPENDENTS (None: that)."""
+  weight row is read in place from its stack."""
   flat, chunk = _flat_chunks(x)
   if (lax.axis_size(axis) != 2 or state.shape != (STATE_WORDS,) or mailbox.shape != (MAILBOX_ROWS, MAX_ELEMENTS)
           or mailbox.dtype != x.dtype):
@@ -242,8 +233,7 @@ def all_reduce_persistent(x: jax.Array, axis: str, state: jax.Array, mailbox: ja
   out = jax.ShapeDtypeStruct(flat.shape, x.dtype)
   y = plgpu.kernel(
       functools.partial(_persistent_kernel, axis=axis, chunk=chunk, residual=residual is not None,
-                        norm=norm_params,
-                        launch_dependents=LAUNCH_DEPENDENTS if launch_dependents is None else launch_dependents),
+                        norm=norm_params),
       out_type=out if norm is None else (out, out),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                            skip_device_barrier=True),

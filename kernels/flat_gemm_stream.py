@@ -18,18 +18,6 @@ narrow side. Where it can (M <= 8 or a multiple of 8), x is not padded in memory
 rows and the copy fills the rows past M with zeros, which saves a pad fusion per call.
 The layer index is read inside the kernel (`w.at[layer]`): stacked weights are never copied.
 
-Programmatic dependent launch (PDL, compiled only, off unless `PDL = True`): the kernel may then
-start while the kernel before it still runs. It issues its first pipeline stages' weight copies at
-once and waits for the previous kernels (`griddepcontrol.wait`) before it reads x or writes anything,
-so its pipeline can fill while its predecessor finishes. Weights are never written by a decode step,
-and the layer index is written by the loop counter one layer earlier, with non-PDL kernels (the
-Pallas-Triton norm, attention) between; those are the only reads before the wait. It gains only where
-the predecessor lets dependents launch early (`griddepcontrol.launch_dependents`); in a one-GPU decode
-none does (the norm, attention combine and SwiGLU fusion end before the GEMM starts either way), and
-it measured neutral there (BENCHMARKS.md). `StreamBlocks(pdl=...)` sets it per call. The all-reduce
-kernel can (`allreduce.LAUNCH_DEPENDENTS`), which lets the gate/up GEMM fill its pipeline during the
-2-GPU exchange.
-
 Tested on the CPU with Mosaic GPU's interpreter (`interpret=True`), compiled on Hopper.
 """
 
@@ -54,7 +42,6 @@ class StreamBlocks:
   stages: int = 4  # TMA stages in flight per CTA (>= 2); cut to what fits in smem_bytes
   ctas: int | None = None
   smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
-  pdl: bool | None = None  # programmatic dependent launch when compiled; None: the module's PDL
 
   def max_stages(self, m8: int, itemsize: int = 2) -> int:
     """The most pipeline stages whose x and weight tiles fit beside the [2, tile_n, M8] f32 flush buffer."""
@@ -121,11 +108,7 @@ def default_ctas() -> int:
 # The kernel
 
 
-PDL = False  # True: programmatic dependent launch where compiled (see the module docstring)
-
-
-def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile_k: int, stages: int,
-                   pdl: bool):
+def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile_k: int, stages: int):
   """One CTA: units [c·R, min((c+1)·R, U)) through one TMA pipeline, a partial sum per tile."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -141,35 +124,22 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
   nsteps = u1 - u0
 
   def scoped(x_smem, w_smem, out_smem, bars):
-    def issue_x(j, slot):  # the x tile of local step j into `slot` (one of the slot's two arrivals)
-      ksl = pl.ds(lax.rem(u0 + j, ks) * tile_k, tile_k)
+    def issue(j, slot):  # start loading the unit of local step j into `slot`
+      u = u0 + j
+      t, kk = lax.div(u, ks), lax.rem(u, ks)
+      ksl = pl.ds(kk * tile_k, tile_k)
       # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
       plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, m8), ksl], x_smem.at[slot], bars.at[slot])
-
-    def issue_w(j, slot):  # the weight tile of local step j into `slot` (the other arrival)
-      u = u0 + j
-      t, ksl = lax.div(u, ks), pl.ds(lax.rem(u, ks) * tile_k, tile_k)
       for i, w in enumerate(w_gmems):
         @pl.when((t >= starts[i]) & (t < starts[i + 1]))
         def _():
           nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
           plgpu.copy_gmem_to_smem(w.at[layer, ksl, nsl], w_smem.at[slot], bars.at[slot])
 
-    def issue(j, slot):  # start loading the unit of local step j into `slot`
-      issue_x(j, slot)
-      issue_w(j, slot)
-
-    for j in range(stages):  # prologue: the weights first, they do not depend on the previous kernel
+    for j in range(stages):  # prologue
       @pl.when(j < nsteps)
       def _():
-        issue_w(j, j)
-    if pdl:  # x and our output buffer belong to the kernels before us until they are done
-      plgpu.griddepcontrol_wait()
-      plgpu.griddepcontrol_launch_dependents()
-    for j in range(stages):
-      @pl.when(j < nsteps)
-      def _():
-        issue_x(j, j)
+        issue(j, j)
 
     def step(j, acc):
       slot = lax.rem(j, stages)
@@ -237,8 +207,7 @@ def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
                      f"{fit} in {cfg.smem_bytes} bytes of shared memory at M={m}")
   stages = max(2, min(cfg.stages, fit, sched.units_per_cta))
   kernel = functools.partial(_stream_kernel, sched=sched, tile_n=cfg.tile_n, tile_k=cfg.tile_k,
-                             stages=stages,  # the interpreter has no griddepcontrol
-                             pdl=(PDL if cfg.pdl is None else cfg.pdl) and not interpret)
+                             stages=stages)
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),
