@@ -4,24 +4,29 @@
         # 2 Hopper GPUs; one JSON line per variant on stdout and in $OUT/tp_gap_ab_gpu.jsonl
 
 Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context, the default looped in-place engine on
-one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). A variant "tp2:MODE" sets XLA's
-`--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
-"tp1-qkv_attend" turns the q·k·v epilogue kernel off, "tp2-residual_norm" the all-reduce kernel's
-residual add and norm (`looped_model.kernel_residual_norm`), "tp2-psum" the all-reduce kernel (XLA's
-psum instead), "~N" the attention kernel's splits chosen for N programs, "^N" the all-reduce kernel for up to N
-elements; "tp1+peers" runs one GPU's engine after a psum over both GPUs in the same process (NCCL set up,
-peer access on), "tp1+after_tp2" after three decode chunks of the 2-GPU engine, "tp1+loop_psum" after a
-small 2-GPU program with a psum inside a loop (which leaves every later kernel boundary of the process
-slower, see device_gap_gpu.py); "tp2-psum-nocomm" is TP2 with the layers' all-reduces left out (wrong
-values, timing only), "tp2-psum-nocoll" also without the embedding's psum and the LM head's gather,
-"tpx1" one GPU through the tensor-parallel program (`TPForward` over a 1-device mesh, psum), "tp1half"
-one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce). "VARIANT|N"
-runs a one-GPU variant in N processes at once, one per GPU (CUDA_VISIBLE_DEVICES), timed and traced
-together (a file barrier): do two GPUs busy with the same decode, with no program in common, show
-TP2's gaps? TP_GAP_PRESET names another model preset (a tiny one runs the harness up to the trace on
-the CPU). XLA reads its flags once per process, so each variant runs in its own process. Per variant: the untraced
-ms/token (best of three 64-step chunks), then one 32-step chunk under the profiler, from which, on
-GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
+one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). XLA reads its flags once per process, so
+each variant runs in its own process. Variants, by their parts:
+- "tp2:MODE": XLA's `--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
+- "-qkv_attend": the q·k·v epilogue kernel off; "-residual_norm": the all-reduce kernel's residual add and
+  norm off (`looped_model.kernel_residual_norm`); "-psum": XLA's psum instead of the all-reduce kernel;
+- "~N": the attention kernel's splits chosen for N programs; "^N": the all-reduce kernel for up to N elements;
+- "tp1+peers": one GPU's engine after a psum over both GPUs in the same process (NCCL set up, peer access
+  on); "tp1+after_tp2": after three decode chunks of the 2-GPU engine; "tp1+loop_psum": after a small
+  2-GPU program with a psum inside a loop (which leaves every later kernel boundary of the process
+  slower, see device_gap_gpu.py);
+- timing only, wrong values: "-nocomm" leaves the layers' all-reduces out, "-nocoll" every collective
+  (also the embedding's psum and the LM head's all-gather), "-nogather" the LM head's all-gather only;
+- "+embed_kernel": the embedding's all-reduce by the kernel too (`tp.EMBED_KERNEL`; right values, and no
+  NCCL call left in the step loop but the LM head's gather);
+- "tpx1": one GPU through the tensor-parallel program (`TPForward` over a 1-device mesh, psum);
+  "tp1half": one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce);
+- "VARIANT|N": a one-GPU variant in N processes at once, one per GPU (CUDA_VISIBLE_DEVICES), timed and
+  traced together (a file barrier): do two GPUs busy with the same decode, with no program in common,
+  show TP2's gaps?
+TP_GAP_PRESET names another model preset (a tiny one runs the harness up to the trace on the CPU).
+
+Per variant: the untraced ms/token (best of three 64-step chunks), then one 32-step chunk under the
+profiler, from which, on GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
 streams), and on the busiest stream the kernel time per step against the untraced step and the
 median idle time between two kernels inside a layer; on one GPU also the decode chunk's temporary
 memory (XLA's `memory_analysis`). `--hlo`: the optimized HLO of each variant without a mode goes to
@@ -97,6 +102,12 @@ def measure(variant: str) -> dict:
         model_module.tp_residual_add = lambda x, block_out, cfg: x + block_out
     if "-nocoll" in variant:  # timing only: no collective anywhere (also the embedding's psum, the LM head's gather)
         jax.lax.psum = lambda x, axis_name, **kw: x
+        jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
+            jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
+    if "+embed_kernel" in variant:  # the embedding's all-reduce by the kernel too: no NCCL psum in the step loop
+        from jaxdecode import tp as tp_module
+        tp_module.EMBED_KERNEL = True
+    if "-nogather" in variant:  # timing only: the LM head's all-gather left out (the embedding's psum stays)
         jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
             jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)

@@ -62,6 +62,12 @@ class TPParams(NamedTuple):
     comm: tuple
 
 
+# True: the embedding's all-reduce also goes through `kernels.allreduce.all_reduce` (the peer-to-peer
+# kernel at decode on 2 Hopper GPUs, psum elsewhere), so the step loop holds no NCCL psum. Off until
+# measured on 2 GPUs (`benchmarks/tp_gap_ab_gpu.py` variant "+embed_kernel").
+EMBED_KERNEL = False
+
+
 def valid_tp(cfg: ModelConfig) -> list[int]:
     """The device counts this config splits over: divisors of gcd(N, K, F)."""
     g = math.gcd(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
@@ -241,7 +247,8 @@ class TPForward:
             local = tokens - jax.lax.axis_index(AXIS) * vocab  # [B, T], index into this device's rows
             mine = (local >= 0) & (local < vocab)  # [B, T]
             x = jnp.where(mine[..., None], model.embed_tokens(jnp.where(mine, local, 0)), 0)  # [B, T, D]
-            x = jax.lax.psum(x, AXIS)  # [B, T, D]
+            # [B, T, D]; EMBED_KERNEL: by the all-reduce kernel where it takes x (decode on 2 Hopper GPUs)
+            x = kernels_allreduce.all_reduce(x, AXIS) if EMBED_KERNEL else jax.lax.psum(x, AXIS)
             cos, sin = rope_cos_sin(model.inv_freq[...], positions)  # [B, T, H]
         x, new_k, new_v = model.run_layers(x, k_caches, v_caches, positions, cos, sin)
         with jax.named_scope("lm_head"):
