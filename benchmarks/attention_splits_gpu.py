@@ -8,7 +8,8 @@ place at each layer (the engine's decode at 1k context): `decode_attention_sync_
 layers in one jit (each call reads another layer's cache, 32 x the bytes, more than L2), µs per
 layer by wall clock (median of 15 runs, command buffers as XLA makes them), for split counts from 1
 to 18 (the divisors of the 18 blocks of 64 rows). Every configuration's output is checked against
-the default's. The default picks the fewest splits that give `target_programs` (264) programs.
+the default's. The default's rule is `decode_attention_kernels._layout` (since 2026-12-01: about 576
+programs, at most 660 and 32 splits; before, the fewest splits that gave 264 programs).
 """
 from __future__ import annotations
 

@@ -3,13 +3,14 @@
     python benchmarks/tp_gap_ab_gpu.py [--variants tp2,tp2:SERIALIZE,tp1@8:CONCURRENT,...] [--hlo]
         # 2 Hopper GPUs; one JSON line per variant on stdout and in $OUT/tp_gap_ab_gpu.jsonl
 
-Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context, the default looped in-place engine on
+Llama-3.1-8B, random bf16 weights, batch 1 (or "@B"), 1k context (or "#S"), the default looped in-place engine on
 one GPU (tp1) or split over 2 (tp2, the all-reduce kernel). XLA reads its flags once per process, so
 each variant runs in its own process. Variants, by their parts:
 - "tp2:MODE": XLA's `--xla_gpu_command_buffer_scheduling_mode=MODE` (SERIALIZE, CONCURRENT or LHS, the default);
 - "-qkv_attend": the q·k·v epilogue kernel off; "-residual_norm": the all-reduce kernel's residual add and
   norm off (`looped_model.kernel_residual_norm`); "-psum": XLA's psum instead of the all-reduce kernel;
-- "~N": the attention kernel's splits chosen for N programs; "^N": the all-reduce kernel for up to N elements;
+- "~N": the attention kernel's splits chosen for N programs ("~old": the rule before 2026-12-01);
+  "^N": the all-reduce kernel for up to N elements;
 - "tp1+peers": one GPU's engine after a psum over both GPUs in the same process (NCCL set up, peer access
   on); "tp1+after_tp2": after three decode chunks of the 2-GPU engine; "tp1+loop_psum": after a small
   2-GPU program with a psum inside a loop (which leaves every later kernel boundary of the process
@@ -18,6 +19,7 @@ each variant runs in its own process. Variants, by their parts:
   (also the embedding's psum and the LM head's all-gather), "-nogather" the LM head's all-gather only;
 - "+embed_kernel": the embedding's all-reduce by the kernel too (`tp.EMBED_KERNEL`; right values, and no
   NCCL call left in the step loop but the LM head's gather);
+- "tp1u": one GPU, the unrolled engine (plain JAX: XLA's dots and attention; `jaxdecode bench`'s "unrolled");
 - "tpx1": one GPU through the tensor-parallel program (`TPForward` over a 1-device mesh, psum);
   "tp1half": one GPU running one TP2 shard's shapes (half the heads, FFN and vocab; no all-reduce);
 - "VARIANT|N": a one-GPU variant in N processes at once, one per GPU (CUDA_VISIBLE_DEVICES), timed and
@@ -26,12 +28,13 @@ each variant runs in its own process. Variants, by their parts:
 TP_GAP_PRESET names another model preset (a tiny one runs the harness up to the trace on the CPU).
 
 Per variant: the untraced ms/token (best of three 64-step chunks), then one 32-step chunk under the
-profiler, from which, on GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches runs them on several
-streams), and on the busiest stream the kernel time per step against the untraced step and the
-median idle time between two kernels inside a layer; on one GPU also the decode chunk's temporary
-memory (XLA's `memory_analysis`). `--hlo`: the optimized HLO of each variant without a mode goes to
-$OUT (`--xla_dump_to`), to name the fusions. With TP_GAP_DUMP=DIR set, every traced event of the process
-(both GPUs, host threads) within about one layer of the middle of the step goes to DIR/events_<variant>.json.
+profiler, from which, on GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches
+runs them on several streams), and on the busiest stream the kernel time per step against the untraced
+step and the median idle time between two kernels inside a layer; on one GPU also the decode chunk's
+temporary memory (XLA's `memory_analysis`). `--hlo`: the optimized HLO of each variant without a mode
+goes to $OUT (`--xla_dump_to`), to name the fusions. With TP_GAP_DUMP=DIR set, every traced event of the
+process (both GPUs, host threads) within about one layer of the middle of the step goes to
+DIR/events_<variant>.json.
 """
 from __future__ import annotations
 
@@ -91,9 +94,12 @@ def measure(variant: str) -> dict:
         import functools
 
         from kernels.decode_attention import BlockSizes
-        programs = int(re.search(r"~(\d+)", variant).group(1))
-        looped_model.KERNEL_CALLS["qkv_attend"] = functools.partial(
-            looped_model.kernel_qkv_attend, attention_blocks=BlockSizes(target_programs=programs))
+        if "~old" in variant:  # the rule before 2026-12-01: ~264 programs, no cap on programs or splits
+            blocks = BlockSizes(target_programs=264, max_programs=None, max_splits=None)
+        else:
+            blocks = BlockSizes(target_programs=int(re.search(r"~(\d+)", variant).group(1)))
+        looped_model.KERNEL_CALLS["qkv_attend"] = functools.partial(looped_model.kernel_qkv_attend,
+                                                                    attention_blocks=blocks)
     if "^" in variant:  # "^N": the all-reduce kernel takes activations of up to N elements (batch 8: 32768)
         from kernels import allreduce
         allreduce.PERSISTENT_MAX_ELEMENTS = int(re.search(r"\^(\d+)", variant).group(1))
@@ -112,7 +118,8 @@ def measure(variant: str) -> dict:
             jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
-    batch = int(re.match(r"tp\d@(\d+)", variant).group(1)) if "@" in variant else 1
+    batch = int(re.search(r"@(\d+)", variant).group(1)) if "@" in variant else 1
+    context = int(re.search(r"#(\d+)", variant).group(1)) if "#" in variant else 1024
     preset = get_preset(PRESET)
     if variant.startswith("tp1half"):  # one GPU, one TP2 shard's shapes (half the heads, FFN and vocab), no all-reduce
         import dataclasses
@@ -124,17 +131,18 @@ def measure(variant: str) -> dict:
     if via_tp:
         engine = tp_engine(model, 1, "psum")
     else:
-        engine = Engine(model) if tp == 1 else tp_engine(model, 2, allreduce)
+        unrolled = variant.startswith("tp1u")  # plain JAX: no looping pass, XLA's dots and attention
+        engine = Engine(model, loop_layers=not unrolled) if tp == 1 else tp_engine(model, 2, allreduce)
     prompts = np.ones((batch, 16), np.int32)
-    time_engine(engine, prompts, context=1024, steps=STEPS)  # compiles
+    time_engine(engine, prompts, context=context, steps=STEPS)  # compiles
     _barrier("timed")
-    runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]
+    runs = [time_engine(engine, prompts, context=context, steps=64) for _ in range(3)]
     _barrier("traced")
     step_us = min(t.decode_s / t.steps for t in runs) * 1e6
     temp = [c.memory_analysis().temp_size_in_bytes for steps in getattr(engine, "_bench_compiled", {}).values()
             for c in steps if hasattr(c, "memory_analysis")]
     out_dir = os.path.join("/tmp/traces", variant.replace(":", "_"))
-    events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=STEPS), out_dir)
+    events = traced_events(lambda: time_engine(engine, prompts, context=context, steps=STEPS), out_dir)
     gpu0 = min(gpu_pids(track_names(events)))
     streams = defaultdict(list)
     for e in kernel_events(events, {gpu0}):
@@ -155,6 +163,7 @@ def measure(variant: str) -> dict:
                xla_flags=os.environ.get("XLA_FLAGS", ""),
                untraced_step_us=round(step_us, 1), all_step_us=[round(t.decode_s / t.steps * 1e6, 1) for t in runs],
                step_kernel_us=round(sum(e["dur"] for e in step), 1), kernels_per_step=len(step),
+               step_top_kernels=_top_by_name(step),
                median_inner_gap_us=round(float(np.median(inner)), 3), mean_inner_gap_us=round(float(np.mean(inner)), 3),
                boundary_gaps=len(gaps) - len(inner),
                boundary_gap_us=round(float(np.median([g for g in gaps if g >= 2.0] or [0.0])), 2),
@@ -175,6 +184,16 @@ def measure(variant: str) -> dict:
         with open(os.path.join(os.environ["TP_GAP_DUMP"], f"events_{variant.replace(':', '_')}.json"), "w") as fh:
             json.dump(dump, fh, indent=0)
     return row
+
+
+def _top_by_name(step: list, n: int = 16) -> list:
+    """[name, kernels, total µs] of a step's kernels grouped by name, the n longest in total."""
+    totals = defaultdict(lambda: [0, 0.0])
+    for e in step:
+        totals[e["name"][:60]][0] += 1
+        totals[e["name"][:60]][1] += e["dur"]
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
+    return [[name, count, round(total, 1)] for name, (count, total) in ranked]
 
 
 def _barrier(name: str) -> None:

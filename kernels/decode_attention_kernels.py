@@ -24,13 +24,22 @@ _NEG = -1e30  # finite "minus infinity" for the synchronized kernel's running ma
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tunables. num_splits=None picks enough splits to give every SM about two programs."""
+  """Tunables. num_splits=None picks the most splits that divide the cache's blocks and stay within
+  ceil(target_programs / (B·K)), max_programs // (B·K) and max_splits (`_layout`)."""
 
   block_k: int = 64  # cache positions per loop step (power of two)
   num_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 2
-  target_programs: int = 264  # 2 x 132 SMs on an H200
+  # Programs = batch x kv heads x splits. Aim at ~4 per SM (132 SMs on an H200), stay within one wave
+  # (the kernel's 38 KB of shared memory lets 5 programs share an SM, 660 in all) and below 32 splits
+  # (the combine's cost grows with them). Measured on the H200 (BENCHMARKS.md, 2026-12-01), Llama-3.1-8B:
+  # batch 8, 1k context, 9 splits (576 programs) 1.6-1.7% faster per token than 3 (192); batch 32, 3
+  # splits (768 programs, past one wave) 4.5% slower than 2 (512); batch 1, 4k and 8k context, 66 and 65
+  # splits 1.7% and 0.9% slower than 33 and 26.
+  target_programs: int = 576
+  max_programs: int | None = 660
+  max_splits: int | None = 32
   # How the synchronized kernel's split partials are combined: "kernel" (`combine_splits`: one Pallas
   # kernel writing the final layout, where it fits) or "xla" (jnp: XLA's exp, reduce and slice fusions,
   # three kernels). Measured on the H200 (BENCHMARKS.md, 2026-11-30 17:00 UTC): Llama-3.1-8B batch 1
@@ -166,6 +175,10 @@ def _layout(batch: int, kv_heads: int, cache_len: int, cfg: BlockSizes) -> tuple
     splits = cfg.num_splits
   else:
     want = max(1, -(-cfg.target_programs // (batch * kv_heads)))
+    if cfg.max_programs is not None:
+      want = min(want, max(1, cfg.max_programs // (batch * kv_heads)))
+    if cfg.max_splits is not None:
+      want = min(want, cfg.max_splits)
     splits = max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= want)
   return splits, splits * cfg.block_k * -(-blocks // splits)
 

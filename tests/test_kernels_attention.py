@@ -216,6 +216,21 @@ def test_combine_splits_against_the_jnp_combine():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+def test_splits_aim_at_576_programs_within_one_wave_and_32_splits():
+  from kernels.decode_attention_kernels import _layout
+  splits = lambda b, k, s, **kw: _layout(b, k, s, da.BlockSizes(**kw))[0]  # noqa: E731
+  # 1k context (1152 rows = 18 blocks of 64), 8 kv heads: batch 1 takes every block; batch 8 wants
+  # 576 / 64 = 9; batch 32 wants 3, but 3 x 256 = 768 programs pass one wave (660), so 2
+  assert [splits(b, 8, 1152) for b in (1, 8, 16, 32)] == [18, 9, 3, 2]
+  assert splits(32, 8, 1152, max_programs=None) == 3
+  # 4k (66 blocks = 2 x 3 x 11) and 8k (130 = 2 x 5 x 13): the largest divisor within 32 splits
+  assert [splits(1, 8, 4224), splits(1, 8, 8320), splits(8, 8, 4224)] == [22, 26, 6]
+  assert splits(1, 8, 4224, max_splits=None) == 66
+  old = dict(target_programs=264, max_programs=None, max_splits=None)  # the rule before 2026-12-01
+  assert [splits(1, 8, 4224, **old), splits(8, 8, 1152, **old)] == [33, 3]
+  assert splits(1, 8, 1152, num_splits=4) == 4
+
+
 def test_block_sizes_names_a_bad_combine():
   with pytest.raises(ValueError, match="combine must be"):
     da.BlockSizes(combine="fused")
