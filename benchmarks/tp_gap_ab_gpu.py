@@ -108,14 +108,12 @@ def measure(variant: str) -> dict:
         model_module.tp_residual_add = lambda x, block_out, cfg: x + block_out
     if "-nocoll" in variant:  # timing only: no collective anywhere (also the embedding's psum, the LM head's gather)
         jax.lax.psum = lambda x, axis_name, **kw: x
+    if "-nocoll" in variant or "-nogather" in variant:  # timing only: the LM head's all-gather left out
         jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
             jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
     if "+embed_kernel" in variant:  # the embedding's all-reduce by the kernel too: no NCCL psum in the step loop
         from jaxdecode import tp as tp_module
         tp_module.EMBED_KERNEL = True
-    if "-nogather" in variant:  # timing only: the LM head's all-gather left out (the embedding's psum stays)
-        jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
-            jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
     batch = int(re.search(r"@(\d+)", variant).group(1)) if "@" in variant else 1
