@@ -27,14 +27,15 @@ each variant runs in its own process. Variants, by their parts:
   show TP2's gaps?
 TP_GAP_PRESET names another model preset (a tiny one runs the harness up to the trace on the CPU).
 
-Per variant: the untraced ms/token (best of three 64-step chunks), then one 32-step chunk under the
-profiler, from which, on GPU 0: the kernels per stream (a command buffer whose DAG has parallel branches
-runs them on several streams), and on the busiest stream the kernel time per step against the untraced
-step and the median idle time between two kernels inside a layer; on one GPU also the decode chunk's
-temporary memory (XLA's `memory_analysis`). `--hlo`: the optimized HLO of each variant without a mode
-goes to $OUT (`--xla_dump_to`), to name the fusions. With TP_GAP_DUMP=DIR set, every traced event of the
-process (both GPUs, host threads) within about one layer of the middle of the step goes to
-DIR/events_<variant>.json.
+Per variant: the untraced ms/token (best of three 64-step runs), then one more 64-step run under the
+profiler (the same cache length, so the same attention splits; until 2026-12-01 a 32-step one, whose
+shorter cache could change them), from which, on GPU 0: the kernels per stream (a command buffer whose
+DAG has parallel branches runs them on several streams), and on the busiest stream the kernel time per
+step against the untraced step and the median idle time between two kernels inside a layer; on one GPU
+also the decode chunk's temporary memory (XLA's `memory_analysis`). `--hlo`: the optimized HLO of each
+variant without a mode goes to $OUT (`--xla_dump_to`), to name the fusions. With TP_GAP_DUMP=DIR set,
+every traced event of the process (both GPUs, host threads) within about one layer of the middle of the
+step goes to DIR/events_<variant>.json.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from collections import defaultdict
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
 
-STEPS = 32
+STEPS = 64  # per timed and traced chunk: one cache length (so one attention split count) for both
 PRESET = os.environ.get("TP_GAP_PRESET", "llama-3.1-8b")  # a tiny-* preset runs the harness on the CPU (smoke)
 
 
@@ -134,7 +135,7 @@ def measure(variant: str) -> dict:
     prompts = np.ones((batch, 16), np.int32)
     time_engine(engine, prompts, context=context, steps=STEPS)  # compiles
     _barrier("timed")
-    runs = [time_engine(engine, prompts, context=context, steps=64) for _ in range(3)]
+    runs = [time_engine(engine, prompts, context=context, steps=STEPS) for _ in range(3)]
     _barrier("traced")
     step_us = min(t.decode_s / t.steps for t in runs) * 1e6
     temp = [c.memory_analysis().temp_size_in_bytes for steps in getattr(engine, "_bench_compiled", {}).values()
