@@ -210,7 +210,7 @@ def _barrier(name: str) -> None:
         time.sleep(0.005)
 
 
-def _concurrent_rows(variant: str, env: dict) -> list[str]:
+def _concurrent_rows(variant: str, env: dict) -> list[dict]:
     """"BASE|N": BASE in N processes at once, process i on GPU i only; their rows, tagged /gpuI."""
     import tempfile
     base, parties = variant.split("|")
@@ -221,13 +221,26 @@ def _concurrent_rows(variant: str, env: dict) -> list[str]:
              for i in range(int(parties))]
     rows = []
     for i, proc in enumerate(procs):
-        stdout, stderr = proc.communicate()
-        found = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("ROW ")]
-        if proc.returncode or not found:
-            print(f"{variant} on GPU {i}: failed (rc {proc.returncode})\n{stderr[-3000:]}", flush=True)
-            continue
-        rows.append(json.dumps(dict(found[0], variant=f"{variant}/gpu{i}")))
+        row = _child_row(f"{variant} on GPU {i}", *proc.communicate(), proc.returncode)
+        if row is not None:
+            rows.append(dict(row, variant=f"{variant}/gpu{i}"))
     return rows
+
+
+def _child_row(label: str, stdout: str, stderr: str, returncode: int) -> dict | None:
+    """The row a child process printed ("ROW {json}"), or None after saying why it has none."""
+    rows = [line[4:] for line in stdout.splitlines() if line.startswith("ROW ")]
+    if returncode or not rows:
+        print(f"{label}: failed (rc {returncode})\n{stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(rows[0])
+
+
+def _emit(row: dict, out: str) -> None:
+    """Print a row and append it to the JSON lines file `out`."""
+    print(json.dumps(row), flush=True)
+    with open(out, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
 
 
 def main() -> int:
@@ -247,16 +260,13 @@ def main() -> int:
                                 f" --xla_gpu_command_buffer_scheduling_mode={variant.split(':')[1]}").strip()
         if "|" in variant:
             for row in _concurrent_rows(variant, env):
-                print(row, flush=True)
-                with open(out, "a") as fh:
-                    fh.write(row + "\n")
+                _emit(row, out)
             continue
         proc = subprocess.run([sys.executable, __file__, "--child", variant], env=env, capture_output=True, text=True)
-        rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-        if proc.returncode or not rows:
-            print(f"{variant}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+        row = _child_row(variant, proc.stdout, proc.stderr, proc.returncode)
+        if row is None:
             continue
-        print(rows[0], flush=True)
+        _emit(row, out)
         if "--hlo" in sys.argv and ":" not in variant:  # the decode chunk: the largest optimized module
             import glob
             import shutil
@@ -264,8 +274,6 @@ def main() -> int:
             if files:
                 shutil.copy(max(files, key=os.path.getsize),
                             os.path.join(os.environ.get("OUT", "."), f"hlo_{variant.replace('@', '_')}.txt"))
-        with open(out, "a") as fh:
-            fh.write(rows[0] + "\n")
     return 0
 
 
