@@ -21,7 +21,11 @@ in which a stacked input is a lazy `StackedRef(stack, i)`:
 - other calls that receive a ref are evaluated inline by the same interpreter, so a weight
   passed through a helper function still reaches its dot;
 - any other consumer materializes the row once with `lax.dynamic_index_in_dim` (norm weights,
-  biases).
+  biases);
+- a `stacked_dot` hook may return a `SplitSum` (a GEMM's split-K partial sums, not yet added): a
+  hook marked with `takes_split_sums` gets it and sums the partials inside its own kernel (the o
+  projection's into the residual add and norm, `looped_model.kernel_split_residual_norm`); every
+  other consumer gets the sum.
 
 Nothing is bound with hand-built params: each equation is re-bound with its own primitive and
 params, and the replacements are public `lax` calls or the hook.
@@ -39,7 +43,8 @@ from jax.extend import core as jcore
 
 from jaxdecode.looping_find import callee_name, callee_of, side_effects
 
-# stacked_dot(x [M, K], stack [L, K, N], index int32[], out_dtype) -> y [M, N] of out_dtype, or None
+# stacked_dot(x [M, K], stack [L, K, N], index int32[], out_dtype) -> y [M, N] of out_dtype (or a `SplitSum`
+# of it), or None
 StackedDot = Callable[[jax.Array, jax.Array, jax.Array, Any], "jax.Array | None"]
 # stacked_calls[name](*args) -> the call's outputs (a list), or None; args may be `StackedRef`s
 StackedCall = Callable[..., "list[jax.Array] | None"]
@@ -56,6 +61,43 @@ class StackedRef:
     @property
     def aval(self):
         return jax.ShapeDtypeStruct(self.stack.shape[1:], self.stack.dtype)
+
+
+class SplitSum:
+    """Σ over axis 0 of `partials` [splits, M, N] f32, rounded to `dtype` and shaped `shape`: a GEMM's
+    output whose split-K partial sums are not yet added. `value()` adds them (once)."""
+
+    __slots__ = ("partials", "shape", "dtype", "_value")
+
+    def __init__(self, partials, shape, dtype):
+        if partials.ndim != 3 or int(np.prod(shape, dtype=int)) != partials.shape[1] * partials.shape[2]:
+            raise ValueError(f"SplitSum takes partials [splits, M, N] of the output {shape}, got {partials.shape}")
+        self.partials, self.shape, self.dtype, self._value = partials, tuple(shape), np.dtype(dtype), None
+
+    @property
+    def aval(self):
+        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    def reshaped(self, shape) -> "SplitSum":
+        return SplitSum(self.partials, shape, self.dtype)
+
+    def value(self):
+        if self._value is None:
+            self._value = self.partials.sum(axis=0).astype(self.dtype).reshape(self.shape)  # [*shape]
+        return self._value
+
+
+_LAZY = (StackedRef, SplitSum)
+
+
+def takes_split_sums(hook: StackedCall) -> StackedCall:
+    """Marks a hook that takes `SplitSum` arguments; every other hook gets their sums."""
+    hook.takes_split_sums = True
+    return hook
+
+
+def _takes_split_sums(hook) -> bool:
+    return getattr(hook, "takes_split_sums", False) or getattr(getattr(hook, "func", None), "takes_split_sums", False)
 
 
 def plain_contraction(eqn: jcore.JaxprEqn) -> bool:
@@ -83,7 +125,9 @@ class RefEvaluator:
         self._rows: dict[int, Any] = {}
 
     def row(self, value):
-        """A value itself; for a ref, its row (read once per ref and cached)."""
+        """A value itself; for a ref, its row (read once per ref and cached); for a `SplitSum`, the sum."""
+        if isinstance(value, SplitSum):
+            return value.value()
         if not isinstance(value, StackedRef):
             return value
         if id(value) not in self._rows:
@@ -98,7 +142,7 @@ class RefEvaluator:
 
         for eqn in jaxpr.eqns:
             invals = [read(a) for a in eqn.invars]
-            if not any(isinstance(v, StackedRef) for v in invals):
+            if not any(isinstance(v, _LAZY) for v in invals):
                 outs = self._bind(eqn, invals)
             else:
                 outs = self._eval_with_refs(eqn, invals)
@@ -110,13 +154,18 @@ class RefEvaluator:
         if callee is not None and not side_effects(eqn):
             hook = self.stacked_calls.get(callee_name(eqn))
             with self._context(eqn):
-                outs = hook(*invals) if hook is not None else None
+                args = invals if hook is None or _takes_split_sums(hook) else \
+                    [self.row(v) if isinstance(v, SplitSum) else v for v in invals]
+                outs = hook(*args) if hook is not None else None
                 if outs is not None:
                     for out in outs:  # a hook that wrote a carried stack in place hands back its ref
                         if isinstance(out, StackedRef) and out.origin is not None:
                             self.latest[out.origin] = out.stack
                     return list(outs)
                 return self.eval(callee, invals)  # look through the call: refs reach its dots
+        invals = [self.row(v) if isinstance(v, SplitSum) else v for v in invals]  # only hooks take them
+        if not any(isinstance(v, StackedRef) for v in invals):
+            return self._bind(eqn, invals)
         if plain_contraction(eqn) and isinstance(invals[1], StackedRef) and not isinstance(invals[0], StackedRef):
             y = self._dot(eqn, invals[0], invals[1])
             if y is not None:
@@ -137,7 +186,9 @@ class RefEvaluator:
             y = self.stacked_dot(x.reshape(int(np.prod(lead, dtype=int)), k), ref.stack, ref.index, out.dtype)
             if y is None:
                 return None
-            return y.astype(out.dtype).reshape(*lead, n)  # [..., N]
+            if isinstance(y, SplitSum) and y.dtype == out.dtype:
+                return y.reshaped((*lead, n))  # [..., N], still unsummed
+            return self.row(y).astype(out.dtype).reshape(*lead, n)  # [..., N]
 
     def _update(self, eqn: jcore.JaxprEqn, ref: StackedRef, update, starts):
         """dynamic_update_slice(row i, update, starts) as an in-place write into the carried stack."""

@@ -36,7 +36,7 @@ from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
-from jaxdecode.inplace import StackedRef
+from jaxdecode.inplace import SplitSum, StackedRef, takes_split_sums
 from jaxdecode.looping import LoopPlan, LoopReport, Packed, kernel_loop
 
 # Argument and output positions of `forward` below that the plan packs.
@@ -76,7 +76,9 @@ def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
     read in place by `kernels.flat_gemm`, or None (the caller then runs the plain dot).
 
     `impl=None` asks `kernels.dispatch.choose_gemm(looped=True)` (see `_gemm_impl`). An explicit
-    `impl` (tests: "triton" with `interpret=True`) skips the checks.
+    `impl` (tests: "triton" with `interpret=True`) skips the checks. The Triton kernels' result is a
+    `SplitSum` (their split-K partials, batch-major): `kernel_split_residual_norm` adds them in its
+    kernel, every other consumer gets the sum, which equals `flat_gemm`'s.
     """
     m, k = x.shape  # x [M, K]
     n = stack.shape[2]  # stack [L, K, N]
@@ -87,6 +89,9 @@ def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
     if impl == "stream":
         return flat_gemm_stream.flat_gemm_multi(x, (stack,), index, block_sizes=_stream_blocks(block_sizes),
                                                 interpret=interpret)[0]
+    if impl in ("gemv", "triton"):  # batch-major partials: left unsummed for a hook that adds them itself
+        parts = flat_gemm.flat_gemm_partials(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
+        return SplitSum(parts, (m, n), x.dtype)  # parts [splits, M, N] f32
     return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
 
 
@@ -273,26 +278,61 @@ def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
     return [out.astype(q.dtype)]
 
 
-def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, interpret: bool = False):
+def _constant_eps(eps) -> float | None:
+    """eps as a Python float, or None where it is not a constant of the traced layer."""
+    try:
+        return float(eps)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, num_warps: int = 4, interpret: bool = False):
     """The `stacked_calls["rms_norm"]` hook: `model.rms_norm` as one `kernels.rms_norm` launch that
     reads the layer's norm weight in place (XLA runs a norm as two kernels, a reduction and a scale).
     x [..., D]; weight a `StackedRef` of the [L, D] stack; eps the model's (a constant of the traced
     layer). Returns [y [..., D]], or None (the call is then evaluated as written): when eps is not a
     constant, and, with `impl=None`, for inputs that are not 16-bit or on a device without a tuned
     kernel table (like the other kernels: measured on the H200 only)."""
-    if not isinstance(weight, StackedRef) or isinstance(x, StackedRef) or x.dtype != weight.stack.dtype:
-        return None
-    try:
-        eps = float(eps)
-    except (TypeError, jax.errors.ConcretizationTypeError):
+    if not isinstance(weight, StackedRef) or isinstance(x, StackedRef) or x.dtype != weight.stack.dtype \
+            or (eps := _constant_eps(eps)) is None:
         return None
     if impl is None:
         if x.dtype not in (jnp.bfloat16, jnp.float16) or dispatch.table_for()[0] is None:
             return None
     elif impl != "triton":
         raise ValueError(f"kernel_rms_norm impl must be None or 'triton', got {impl!r}")
-    y = rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight.stack, weight.index, eps=eps, interpret=interpret)
+    y = rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight.stack, weight.index, eps=eps, num_warps=num_warps,
+                          interpret=interpret)
     return [y.reshape(x.shape)]
+
+
+@takes_split_sums
+def kernel_split_residual_norm(x, block_out, weight, eps, *comm, impl: str | None = None, num_warps: int = 16,
+                               interpret: bool = False):
+    """The `stacked_calls["residual_norm"]` hook on one device: `model.residual_norm` (the attention's
+    residual add, then the MLP's input norm) as one `kernels.rms_norm.residual_rms_norm` launch that
+    also adds the o projection's split-K partials (block_out a `SplitSum` from the GEMV), the norm
+    weight read in place. XLA would run the split sum and the add as one fusion, then the norm kernel.
+
+    x [..., D]; block_out a `SplitSum` of x's shape and dtype; weight a `StackedRef` of the [L, D]
+    stack; eps the model's (a constant); comm empty (one device). Returns [s, normed], or None (the
+    call is then evaluated as written, block_out summed first): for a block_out that is not a
+    `SplitSum`, and with `impl=None` for inputs that are not 16-bit or on a device without a tuned
+    kernel table. `impl="triton"` (tests, with `interpret=True`) skips those two checks.
+    """
+    if not isinstance(block_out, SplitSum) or not isinstance(weight, StackedRef) or comm \
+            or isinstance(x, (StackedRef, SplitSum)) or block_out.shape != x.shape \
+            or not x.dtype == block_out.dtype == weight.stack.dtype or (eps := _constant_eps(eps)) is None:
+        return None
+    if impl is None:
+        if x.dtype not in (jnp.bfloat16, jnp.float16) or dispatch.table_for()[0] is None:
+            return None
+    elif impl != "triton":
+        raise ValueError(f"kernel_split_residual_norm impl must be None or 'triton', got {impl!r}")
+    dim = x.shape[-1]
+    s, normed = rms_norm.residual_rms_norm(block_out.partials, x.reshape(-1, dim), weight.stack, weight.index,
+                                           eps=eps, num_warps=num_warps, interpret=interpret)  # [M, D] each
+    return [s.reshape(x.shape), normed.reshape(x.shape)]
 
 
 def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_impl: str, all_reduce_norm=None):
@@ -306,15 +346,11 @@ def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_
     stack; eps the model's (a constant); comm the kernel's (state, mailbox). Returns [s, normed], or
     None (the call is then evaluated as written: the all-reduce, then the `rms_norm` hook) where the
     all-reduce kernel does not take block_out (`allreduce.takes`), with psum, and when eps is not a
-    constant. One device has no such hook: there XLA fuses the o-projection's split sum with the
-    residual add, and a norm kernel that also adds measured slower (BENCHMARKS.md).
+    constant. One device has its own hook, `kernel_split_residual_norm`.
     """
     if not isinstance(weight, StackedRef) or any(isinstance(a, StackedRef) for a in (x, block_out, *comm)) \
-            or x.dtype != weight.stack.dtype or block_out.shape != x.shape or block_out.dtype != x.dtype:
-        return None
-    try:
-        eps = float(eps)
-    except (TypeError, jax.errors.ConcretizationTypeError):
+            or x.dtype != weight.stack.dtype or block_out.shape != x.shape or block_out.dtype != x.dtype \
+            or (eps := _constant_eps(eps)) is None:
         return None
     if allreduce_impl != "kernel" or not (all_reduce_norm or allreduce.takes(block_out, axis, comm)):
         return None
@@ -326,10 +362,11 @@ def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_
 # `qkv_attend` (2026-11-30, 2 H200s, Llama-3.1-8B at 1k): 4.512 -> 4.474 ms/token at batch 1 on one GPU,
 # 5.000 -> 4.920 at batch 8; with TP2 3.253 -> 3.134 and 4.200 -> 3.990.
 KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm,
-                "qkv_attend": kernel_qkv_attend}
+                "qkv_attend": kernel_qkv_attend, "residual_norm": kernel_split_residual_norm}
 
 
-# Hooks for a tensor-parallel config, bound to its mesh axis and all-reduce by `kernel_calls`.
+# Hooks for a tensor-parallel config, bound to its mesh axis and all-reduce by `kernel_calls` (they replace
+# the one-device hooks of the same name).
 # `residual_norm` (2026-11-30, 2 H200s, Llama-3.1-8B at 1k, batch 1, per process): 3.136-3.176 ms/token
 # without it, 3.078-3.120 with it.
 CONFIG_CALLS = {"residual_norm": kernel_residual_norm}

@@ -283,6 +283,29 @@ def flat_gemm(
   return y.astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("impl", "block_sizes", "interpret"))
+def flat_gemm_partials(
+    x: jax.Array,  # [M, K]
+    w: jax.Array,  # [L, K, N] or [K, N]
+    layer: jax.Array | int | None = None,  # [] int32, may be traced
+    *,
+    impl: str = "gemv",
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool = False,
+) -> jax.Array:
+  """The Triton kernel's split-K partial sums [splits, M, N] f32, not yet added: for a consumer that
+  sums them itself (`kernels.rms_norm.residual_rms_norm`). impl: "gemv" (M = 1) or "triton", whose
+  partials are laid out batch-major, so taking M of the padded rows copies nothing at M = 1.
+
+  `flat_gemm(x, w, layer, impl=impl)` equals `flat_gemm_partials(...).sum(axis=0).astype(x.dtype)`.
+  """
+  if impl not in ("gemv", "triton"):
+    raise ValueError(f"flat_gemm_partials takes impl 'gemv' or 'triton', got {impl!r}")
+  w, layer = _stacked(w, layer)
+  y = _partials(x, (w,), layer, impl, block_sizes, interpret, poison=False)  # [splits, 1, N, Mp]
+  return y[:, 0, :, : x.shape[0]].transpose(0, 2, 1)  # [splits, M, N]
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "block_sizes", "interpret", "poison"))
 def flat_gemm_swiglu(
     x: jax.Array,  # [M, D]

@@ -12,9 +12,9 @@ from jax import lax
 
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
-from jaxdecode.inplace import StackedRef, output_aliases
+from jaxdecode.inplace import SplitSum, StackedRef, output_aliases
 from jaxdecode.looped_model import (LoopedForward, kernel_attention, kernel_calls, kernel_qkv, kernel_residual_norm,
-                                    kernel_rms_norm, kernel_stacked_dot, kernel_swiglu)
+                                    kernel_rms_norm, kernel_split_residual_norm, kernel_stacked_dot, kernel_swiglu)
 from jaxdecode.looping import kernel_loop
 from jaxdecode.model import init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
@@ -30,6 +30,7 @@ interpret_attention = functools.partial(kernel_attention, impl="sync", block_siz
                                         interpret=True)
 interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
 interpret_norm = functools.partial(kernel_rms_norm, impl="triton", interpret=True)
+interpret_residual_norm = functools.partial(kernel_split_residual_norm, impl="triton", interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames="out_dtype")
@@ -77,7 +78,7 @@ def _row_reads_feeding_dots(body) -> int:
                 rows.update(eqn.outvars)
             elif eqn.primitive.name == "dot_general":
                 found += not hasattr(eqn.invars[1], "val") and eqn.invars[1] in rows
-            elif eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] != "flat_gemm":
+            elif eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] not in ("flat_gemm", "flat_gemm_partials"):
                 inner = eqn.params["jaxpr"].jaxpr if hasattr(eqn.params["jaxpr"], "jaxpr") else eqn.params["jaxpr"]
                 pairs = [(iv, ov) for iv, ov in zip(inner.invars, eqn.invars) if not hasattr(ov, "val")]
                 found += count(inner, {iv for iv, ov in pairs if ov in stack_vars},
@@ -170,10 +171,11 @@ def tiny():
 
 
 def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu, qkv=None,
-                    norm=interpret_norm):
+                    norm=interpret_norm, residual_norm=None):
     engine = Engine(model, loop_mode="inplace")
     engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
-    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm} | ({"qkv": qkv} if qkv else {})
+    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm} | ({"qkv": qkv} if qkv else {}) \
+        | ({"residual_norm": residual_norm} if residual_norm else {})
     return engine
 
 
@@ -234,7 +236,8 @@ def test_engine_inplace_cache_never_copied(tiny, batch, write):
     assert uses == {write: 2, "reshape": 2, "pallas_call": 1}, uses  # K, V: write, flatten, one kernel
     calls = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
     assert calls.count("decode_attention_sync") == 1 and calls.count("flat_gemm_swiglu") == 1, calls
-    assert calls.count("flat_gemm") == 5, calls  # q, k, v, o and down: every other dot reads in place
+    # q, k, v, o and down: every other dot reads in place (the Triton kernels' partials, summed where used)
+    assert calls.count("flat_gemm_partials") == 5, calls
     assert calls.count("rms_norm") == 2, calls  # both norms as one kernel each, the weight read in place
     # and with the attention hooks declining, the read is one row slice per cache (no whole-row write)
     body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attention=lambda *args: None)))
@@ -242,15 +245,15 @@ def test_engine_inplace_cache_never_copied(tiny, batch, write):
     assert names.count("scatter") == 2 and "dynamic_update_slice" not in names
 
 
-def test_residual_norm_hook_is_for_tensor_parallelism_only(tiny):
-    """One device gets no `residual_norm` hook (there XLA fuses the o-projection's split sum with the add);
-    a tensor-parallel config gets it bound to its mesh axis and all-reduce, and it leaves the call as
-    written with psum, and with the kernel where the all-reduce kernel has no buffers."""
+def test_residual_norm_hooks_per_config(tiny):
+    """One device's `residual_norm` hook adds the o projection's split partials in its norm kernel; a
+    tensor-parallel config gets the all-reduce hook instead, bound to its mesh axis and all-reduce, which
+    leaves the call as written with psum, and with the kernel where the all-reduce kernel has no buffers."""
     from jaxdecode.tp import shard_config
 
-    assert "residual_norm" not in kernel_calls(tiny.cfg)
+    assert kernel_calls(tiny.cfg)["residual_norm"] is kernel_split_residual_norm
     hook = kernel_calls(shard_config(tiny.cfg, 2))["residual_norm"]
-    assert (hook.keywords["axis"], hook.keywords["allreduce_impl"]) == ("tp", "kernel")
+    assert (hook.func, hook.keywords["axis"], hook.keywords["allreduce_impl"]) == (kernel_residual_norm, "tp", "kernel")
     x = jnp.ones((1, 1, 256), jnp.bfloat16)
     weight = StackedRef(jnp.ones((2, 256), jnp.bfloat16), jnp.int32(0))
     assert kernel_residual_norm(x, x, weight, 1e-5, axis="tp", allreduce_impl="psum") is None
@@ -262,6 +265,36 @@ def test_residual_norm_hook_is_for_tensor_parallelism_only(tiny):
 
     jax.eval_shape(jax.shard_map(body, mesh=jax.make_mesh((1,), ("tp",)), in_specs=jax.P(), out_specs=jax.P()), x)
     assert answers == [None]
+
+
+def test_split_residual_norm_hook_declines():
+    x = jnp.ones((1, 1, 256), jnp.float32)
+    parts = SplitSum(jnp.ones((4, 1, 256), jnp.float32), x.shape, x.dtype)
+    weight = StackedRef(jnp.ones((2, 256), jnp.float32), jnp.int32(1))
+    assert kernel_split_residual_norm(x, x, weight, 1e-5, impl="triton") is None  # block_out already summed
+    assert kernel_split_residual_norm(x, parts, weight, 1e-5, jnp.zeros(4), impl="triton") is None  # comm buffers
+    assert kernel_split_residual_norm(x, parts, weight.stack[1], 1e-5, impl="triton") is None  # weight not in place
+    assert kernel_split_residual_norm(x, parts, weight, 1e-5) is None  # f32: no tuned kernel for it
+    s, normed = kernel_split_residual_norm(x, parts, weight, 1e-5, impl="triton", interpret=True)
+    np.testing.assert_allclose(s, 5.0)  # 1 + the four partials
+    np.testing.assert_allclose(normed, 1.0, rtol=1e-5)  # 5 / rms(5)
+
+
+def test_engine_split_residual_norm_equals_unrolled(tiny):
+    """The o projection's split partials added in the residual norm kernel: the unrolled model's logits
+    and greedy tokens, at batch 1 (the GEMV) and 2; per layer one such kernel, and only the input norm
+    left as `rms_norm`."""
+    engine = _inplace_engine(tiny, residual_norm=interpret_residual_norm)
+    tokens = np.random.default_rng(0).integers(0, tiny.cfg.vocab_size, (2, 7))
+    np.testing.assert_allclose(engine.forward_logits(tokens), Engine(tiny, loop_layers=False).forward_logits(tokens),
+                               rtol=RTOL, atol=ATOL)
+    for prompts in ([[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5], [7, 8, 9]]):
+        kwargs = dict(max_new_tokens=6, chunk=3)
+        assert _inplace_engine(tiny, residual_norm=interpret_residual_norm).generate(prompts, **kwargs).token_ids \
+            == Engine(tiny, loop_layers=False).generate(prompts, **kwargs).token_ids
+    body = _scan_body(_decode_step_jaxpr(engine, batch=1))
+    calls = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
+    assert calls.count("residual_rms_norm") == 1 and calls.count("rms_norm") == 1, calls
 
 
 def test_engine_default_mode_is_per_backend(tiny):
@@ -314,7 +347,7 @@ def test_engine_qkv_stacks_feed_one_kernel_call(qkv_model):
     for stack in stacks:
         assert [e for e in body.eqns if stack in e.invars] == calls
     names = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
-    assert names.count("flat_gemm") == 2, names  # only o and down are single dots now
+    assert names.count("flat_gemm_partials") == 2, names  # only o and down are single dots now
 
 
 def test_qkv_hook_declines():

@@ -111,6 +111,21 @@ class TestFlatGemm:
                        poison=self._poison(choice.impl))
     _close(out, fg.flat_gemm_reference(x, w, 1, r))
 
+  @pytest.mark.parametrize("name,impl", [("tiny_m1_k256_n128", "gemv"), ("tiny_m5_k256_n192", "triton")])
+  def test_partials_sum_to_the_gemm(self, name, impl):
+    """flat_gemm_partials [splits, M, N]: summed over the splits and rounded, flat_gemm's result bit for
+    bit (the same kernel and sum); each split alone is not."""
+    shape = TEST_GEMM[name]
+    x, w, _, _ = _inputs(shape, seed=6)
+    cfg = fg.BlockSizes(tile_n=64, tile_k=64, k_splits=2)
+    parts = fg.flat_gemm_partials(x, w, 1, impl=impl, block_sizes=cfg, interpret=self.INTERPRET)
+    assert parts.shape == (2, shape.m, shape.n) and parts.dtype == jnp.float32
+    out = fg.flat_gemm(x, w, 1, impl=impl, block_sizes=cfg, interpret=self.INTERPRET)
+    np.testing.assert_array_equal(np.asarray(parts.sum(axis=0).astype(x.dtype), np.float32),
+                                  np.asarray(out, np.float32))
+    _close(out, fg.flat_gemm_reference(x, w, 1))
+    assert not np.allclose(np.asarray(parts[0]), np.asarray(out, np.float32), atol=1e-2)
+
   def test_loop_over_layers_reads_each_layer(self):
     shape = TEST_GEMM["tiny_m8_k512_n128"]
     x, w, _, _ = _inputs(shape, seed=3)
@@ -142,6 +157,12 @@ def test_poison_needs_interpret_for_mosaic():
   x, w, _, _ = _inputs(shape)
   with pytest.raises(ValueError, match="poison"):
     fg.flat_gemm(x, w, 0, impl="mosaic", block_sizes=BLOCKS, poison=True)
+
+
+def test_partials_take_the_triton_kernels_only():
+  x, w, _, _ = _inputs(TEST_GEMM["tiny_m1_k256_n128"])
+  with pytest.raises(ValueError, match="impl 'gemv' or 'triton'"):
+    fg.flat_gemm_partials(x, w, 0, impl="mosaic", interpret=True)
 
 
 @pytest.mark.parametrize("bad", ["stacked_without_layer", "n_not_tiled", "gemv_m2", "m_too_big"])
