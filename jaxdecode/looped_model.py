@@ -286,6 +286,16 @@ def _constant_eps(eps) -> float | None:
         return None
 
 
+def _norm_kernel_runs(dtype, impl: str | None, hook: str) -> bool:
+    """Whether a norm hook's Triton kernel runs: with impl=None for 16-bit inputs on a device with a tuned
+    kernel table (like the other kernels: measured on the H200 only); always with impl="triton" (tests)."""
+    if impl is None:
+        return dtype in (jnp.bfloat16, jnp.float16) and dispatch.table_for()[0] is not None
+    if impl != "triton":
+        raise ValueError(f"{hook} impl must be None or 'triton', got {impl!r}")
+    return True
+
+
 def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, num_warps: int = 4, interpret: bool = False):
     """The `stacked_calls["rms_norm"]` hook: `model.rms_norm` as one `kernels.rms_norm` launch that
     reads the layer's norm weight in place (XLA runs a norm as two kernels, a reduction and a scale).
@@ -296,11 +306,8 @@ def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, num_warps: int =
     if not isinstance(weight, StackedRef) or isinstance(x, StackedRef) or x.dtype != weight.stack.dtype \
             or (eps := _constant_eps(eps)) is None:
         return None
-    if impl is None:
-        if x.dtype not in (jnp.bfloat16, jnp.float16) or dispatch.table_for()[0] is None:
-            return None
-    elif impl != "triton":
-        raise ValueError(f"kernel_rms_norm impl must be None or 'triton', got {impl!r}")
+    if not _norm_kernel_runs(x.dtype, impl, "kernel_rms_norm"):
+        return None
     y = rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight.stack, weight.index, eps=eps, num_warps=num_warps,
                           interpret=interpret)
     return [y.reshape(x.shape)]
@@ -324,11 +331,8 @@ def kernel_split_residual_norm(x, block_out, weight, eps, *comm, impl: str | Non
             or isinstance(x, (StackedRef, SplitSum)) or block_out.shape != x.shape \
             or not x.dtype == block_out.dtype == weight.stack.dtype or (eps := _constant_eps(eps)) is None:
         return None
-    if impl is None:
-        if x.dtype not in (jnp.bfloat16, jnp.float16) or dispatch.table_for()[0] is None:
-            return None
-    elif impl != "triton":
-        raise ValueError(f"kernel_split_residual_norm impl must be None or 'triton', got {impl!r}")
+    if not _norm_kernel_runs(x.dtype, impl, "kernel_split_residual_norm"):
+        return None
     dim = x.shape[-1]
     s, normed = rms_norm.residual_rms_norm(block_out.partials, x.reshape(-1, dim), weight.stack, weight.index,
                                            eps=eps, num_warps=num_warps, interpret=interpret)  # [M, D] each
