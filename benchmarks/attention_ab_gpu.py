@@ -33,9 +33,9 @@ def block_sizes(variant: str) -> decode_attention.BlockSizes:
     kw = {}
     for part in variant.split("+"):
         name, _, value = part.partition("=")
-        default = getattr(decode_attention.BlockSizes(), name) if name in fields else None
         if name not in fields:
             raise SystemExit(f"attention_ab_gpu: unknown BlockSizes field {name!r}")
+        default = getattr(decode_attention.BlockSizes(), name)
         kw[name] = True if not value else (value == "1" if isinstance(default, bool) else type(default or 0)(value))
     return decode_attention.BlockSizes(**kw)
 

@@ -137,8 +137,8 @@ def residual_rms_norm(partials: jax.Array, residual: jax.Array, weights: jax.Arr
   poison=True (tests) hands the kernel NaN-filled output buffers, so an unwritten element shows as NaN.
   One program reads the row's partials alone (64 KB for Llama's o GEMV at batch 1), so it takes 16 warps
   to keep enough loads in flight: in Llama-3.1-8B decode on the H200 (batch 1, BENCHMARKS.md, 2026-12-01)
-  4 warps were slower than XLA's fusion and the norm kernel (4.546 against 4.533 ms/token), 16 faster
-  (4.502-4.515).
+  4 warps were slower than XLA's fusion and the norm kernel (4.546 against 4.533 ms/token), 16 were
+  never slower (4.502-4.515 against 4.531-4.533 in one run, 4.447-4.454 against 4.454-4.456 in the next).
   """
   if partials.ndim != 3 or residual.ndim != 2 or weights.ndim != 2 or partials.shape[1:] != residual.shape \
           or weights.shape[1] != residual.shape[1]:
