@@ -1,5 +1,6 @@
 """Shared by the GPU A/B scripts that patch the engine's kernel hooks (combine_ab_gpu.py,
 qkv_attend_ab_gpu.py): the engine on 1 or 2 GPUs, the timing of one batch, the command line."""
+
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ def engine_for(model, tp: int) -> Engine:
     if tp == 1:
         return Engine(model)
     from jaxdecode.tp import TPForward
+
     return Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace"))
 
 
@@ -31,8 +33,12 @@ def time_batch(engine: Engine, batch: int, first_tokens: dict) -> dict:
     best = min(runs, key=lambda t: t.decode_s / t.steps)
     agree = tokens_agree(first_tokens[batch], best.tokens) if batch in first_tokens else None
     first_tokens.setdefault(batch, best.tokens)
-    return dict(batch=batch, ms=round(best.decode_s / best.steps * 1e3, 3),
-                all_ms=[round(t.decode_s / t.steps * 1e3, 3) for t in runs], tokens_agree_with_first=agree)
+    return dict(
+        batch=batch,
+        ms=round(best.decode_s / best.steps * 1e3, 3),
+        all_ms=[round(t.decode_s / t.steps * 1e3, 3) for t in runs],
+        tokens_agree_with_first=agree,
+    )
 
 
 def record(row: dict, name: str) -> None:

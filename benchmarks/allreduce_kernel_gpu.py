@@ -73,33 +73,45 @@ def values(mesh, out):
         ref = np.asarray(sharded(lambda v, *bufs: reduce_fn("psum")(v), mesh)(x), np.float32)
         for impl in IMPLS[1:]:
             got = np.asarray(sharded(lambda v, *bufs, impl=impl: reduce_fn(impl, bufs)(v), mesh)(x), np.float32)
-            host = (np.asarray(x[:b], np.float32) + np.asarray(x[b:], np.float32))
-            out["values"].append({"impl": impl, "batch": b, "bitwise_equal_psum": bool(np.array_equal(ref, got)),
-                                  "devices_equal": bool(np.array_equal(got[:b], got[b:])),
-                                  "max_abs_vs_host_f32": float(np.abs(got[:b] - host).max())})
+            host = np.asarray(x[:b], np.float32) + np.asarray(x[b:], np.float32)
+            out["values"].append(
+                {
+                    "impl": impl,
+                    "batch": b,
+                    "bitwise_equal_psum": bool(np.array_equal(ref, got)),
+                    "devices_equal": bool(np.array_equal(got[:b], got[b:])),
+                    "max_abs_vs_host_f32": float(np.abs(got[:b] - host).max()),
+                }
+            )
             print(out["values"][-1], flush=True)
     loops = {}
     for impl in IMPLS:
+
         def loop(x, *bufs, impl=impl):
             bump = (jax.lax.axis_index(AXIS) + 1).astype(x.dtype) * jnp.asarray(1e-2, x.dtype)
             step = lambda i, x: reduce_fn(impl, bufs)(x) * jnp.asarray(0.5, x.dtype) + bump
             return jax.lax.fori_loop(0, 200, step, x)
+
         loops[impl] = np.asarray(sharded(loop, mesh)(jnp.ones((16, DIM), jnp.bfloat16)), np.float32)
-    out["values"].append({f"loop_200_equal_{impl}": bool(np.array_equal(loops["psum"], loops[impl]))
-                          for impl in IMPLS[1:]})
+    out["values"].append(
+        {f"loop_200_equal_{impl}": bool(np.array_equal(loops["psum"], loops[impl])) for impl in IMPLS[1:]}
+    )
     print(out["values"][-1], flush=True)
 
 
 def chain_fn(impl: str, n: int):
     """fn(x, state, mailbox): a fori_loop of n dependent all-reduces, each input device-dependent."""
+
     def chain(x, *bufs):
         bump = (jax.lax.axis_index(AXIS) + 1).astype(x.dtype) * jnp.asarray(1e-3, x.dtype)
         return jax.lax.fori_loop(0, n, lambda i, x: reduce_fn(impl, bufs)(x) * jnp.asarray(0.5, x.dtype) + bump, x)
+
     return chain
 
 
 def latency(mesh, out, n: int = 100):
     from tp_gpu import best_wall_s
+
     for b in (1, 8, 16):
         for impl in IMPLS:
             seconds = best_wall_s(sharded(chain_fn(impl, n), mesh), jnp.ones((2 * b, DIM), jnp.bfloat16))
@@ -109,7 +121,8 @@ def latency(mesh, out, n: int = 100):
 
 def profile(mesh, out, n: int = 100):
     """Kernel durations and gaps on GPU 0 in a fori_loop of n all-reduces of [1, 4096] bf16."""
-    from gpu_trace import gpu_pids, track_names, traced_events
+    from gpu_trace import gpu_pids, traced_events, track_names
+
     for impl in IMPLS:
         fn = sharded(chain_fn(impl, n), mesh)
         x = jnp.ones((2, DIM), jnp.bfloat16)
@@ -117,15 +130,20 @@ def profile(mesh, out, n: int = 100):
         events = traced_events(lambda: fn(x).block_until_ready(), f"/tmp/trace_{impl}")
         names = track_names(events)
         pid = min(gpu_pids(names))
-        kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") == pid and e.get("dur")),
-                         key=lambda e: e["ts"])
+        kernels = sorted(
+            (e for e in events if e.get("ph") == "X" and e.get("pid") == pid and e.get("dur")), key=lambda e: e["ts"]
+        )
         by_name = {}
         for e in kernels:
             by_name.setdefault(e["name"][:60], []).append(e["dur"])
         span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] if kernels else 0
-        out["profile"].append({"impl": impl, "span_us_per_call": round(span / n, 2),
-                               "kernels": {k: {"count": len(v), "mean_us": round(float(np.mean(v)), 2)}
-                                           for k, v in by_name.items()}})
+        out["profile"].append(
+            {
+                "impl": impl,
+                "span_us_per_call": round(span / n, 2),
+                "kernels": {k: {"count": len(v), "mean_us": round(float(np.mean(v)), 2)} for k, v in by_name.items()},
+            }
+        )
         print(out["profile"][-1], flush=True)
 
 
@@ -142,7 +160,7 @@ def decode(out):
             engine = Engine(model)
         else:
             engine = Engine(None, tp=TPForward.from_model(model, 2, loop_mode="inplace", **kw))
-        for b in ((1,) if "--batch1" in sys.argv else (1, 8)):
+        for b in (1,) if "--batch1" in sys.argv else (1, 8):
             prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, 16))
             time_engine(engine, prompts, context=1024, steps=32)  # compile
             runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(2)]
@@ -151,9 +169,15 @@ def decode(out):
             tokens[(name, b)] = best.tokens
             moved = decode_cost(cfg, batch=b, context=1024 + 16 + 32, itemsize=2).bytes
             tp = 1 if name == "tp1" else 2
-            out["decode"].append({"variant": name, "batch": b, "ms_per_token": round(ms, 3),
-                                  "all_ms": [round(t.decode_s / t.steps * 1e3, 3) for t in runs],
-                                  "pct_roofline": round(100 * moved / (ms / 1e3) / 1e9 / (ceiling * tp), 1)})
+            out["decode"].append(
+                {
+                    "variant": name,
+                    "batch": b,
+                    "ms_per_token": round(ms, 3),
+                    "all_ms": [round(t.decode_s / t.steps * 1e3, 3) for t in runs],
+                    "pct_roofline": round(100 * moved / (ms / 1e3) / 1e9 / (ceiling * tp), 1),
+                }
+            )
             print(out["decode"][-1], flush=True)
             faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)  # re-armed: progress was made
         engine = None
@@ -164,8 +188,9 @@ def decode(out):
         one = next(x for x in out["decode"] if x["variant"] == "tp1" and x["batch"] == r["batch"])
         r["speedup_vs_tp1"] = round(one["ms_per_token"] / r["ms_per_token"], 3)
         r["tokens_agree_vs_tp1"] = tokens_agree(tokens[(r["variant"], r["batch"])], tokens[("tp1", r["batch"])])
-        r["tokens_equal_vs_tp2_psum"] = bool(np.array_equal(tokens[(r["variant"], r["batch"])],
-                                                            tokens[("tp2_psum", r["batch"])]))
+        r["tokens_equal_vs_tp2_psum"] = bool(
+            np.array_equal(tokens[(r["variant"], r["batch"])], tokens[("tp2_psum", r["batch"])])
+        )
 
 
 def decode_70b(out):
@@ -179,20 +204,33 @@ def decode_70b(out):
         for b in (1,):  # at batch 8 ([8, 8192]) all_reduce runs psum either way
             prompts = np.random.default_rng(b).integers(0, cfg.vocab_size, (b, 16))
             time_engine(engine, prompts, context=1024, steps=32)  # compile
-            best = min((time_engine(engine, prompts, context=1024, steps=32) for _ in range(2)),
-                       key=lambda t: t.decode_s / t.steps)
+            best = min(
+                (time_engine(engine, prompts, context=1024, steps=32) for _ in range(2)),
+                key=lambda t: t.decode_s / t.steps,
+            )
             ms = best.decode_s / best.steps * 1e3
             tokens[(name, b)] = best.tokens
             moved = decode_cost(cfg, batch=b, context=1024 + 16 + 16, itemsize=2).bytes
-            out["decode"].append({"variant": f"70b_tp2_{name}", "batch": b, "ms_per_token": round(ms, 3),
-                                  "pct_roofline": round(100 * moved / (ms / 1e3) / 1e9 / (ceiling * 2), 1)})
+            out["decode"].append(
+                {
+                    "variant": f"70b_tp2_{name}",
+                    "batch": b,
+                    "ms_per_token": round(ms, 3),
+                    "pct_roofline": round(100 * moved / (ms / 1e3) / 1e9 / (ceiling * 2), 1),
+                }
+            )
             print(out["decode"][-1], flush=True)
             faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
         engine = None
         gc.collect()
     for b in (1,) if len(names) == 2 else ():
-        out["decode"].append({"variant": "70b_tokens_equal", "batch": b,
-                              "equal": bool(np.array_equal(tokens[("psum", b)], tokens[("kernel", b)]))})
+        out["decode"].append(
+            {
+                "variant": "70b_tokens_equal",
+                "batch": b,
+                "equal": bool(np.array_equal(tokens[("psum", b)], tokens[("kernel", b)])),
+            }
+        )
 
 
 def main() -> int:
@@ -200,15 +238,27 @@ def main() -> int:
         print(f"needs 2 GPUs, JAX sees {jax.devices()}", file=sys.stderr)
         return 2
     from jax.experimental.mosaic.gpu import core as mgpu_core
-    out = {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "jax": jax.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "single_process_multi_device": mgpu_core.is_single_process_multi_device_topology(),
-           "nvshmem_available": mgpu_core.is_nvshmem_available(),
-           "values": [], "latency": [], "profile": [], "decode": [], "errors": []}
+
+    out = {
+        "device": jax.devices()[0].device_kind,
+        "devices": len(jax.devices()),
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "single_process_multi_device": mgpu_core.is_single_process_multi_device_topology(),
+        "nvshmem_available": mgpu_core.is_nvshmem_available(),
+        "values": [],
+        "latency": [],
+        "profile": [],
+        "decode": [],
+        "errors": [],
+    }
     print({k: out[k] for k in ("device", "jax", "single_process_multi_device", "nvshmem_available")}, flush=True)
     mesh = make_mesh(2)
-    sections = [] if "--decode-only" in sys.argv else [lambda: values(mesh, out), lambda: latency(mesh, out),
-                                                       lambda: profile(mesh, out)]
+    sections = (
+        []
+        if "--decode-only" in sys.argv
+        else [lambda: values(mesh, out), lambda: latency(mesh, out), lambda: profile(mesh, out)]
+    )
     if "--no-decode" not in sys.argv:
         sections.append(lambda: decode(out))
     if "--70b" in sys.argv:
@@ -228,9 +278,11 @@ def main() -> int:
         if "ms_per_token" not in r:
             print("  ", r)
             continue
-        print(f"  {r['variant']:>10} B={r['batch']}: {r['ms_per_token']:.3f} ms/token, {r['pct_roofline']}% roofline, "
-              f"x{r.get('speedup_vs_tp1')} vs TP1, tokens agree {r.get('tokens_agree_vs_tp1')}, "
-              f"equal to psum {r.get('tokens_equal_vs_tp2_psum')}")
+        print(
+            f"  {r['variant']:>10} B={r['batch']}: {r['ms_per_token']:.3f} ms/token, {r['pct_roofline']}% roofline, "
+            f"x{r.get('speedup_vs_tp1')} vs TP1, tokens agree {r.get('tokens_agree_vs_tp1')}, "
+            f"equal to psum {r.get('tokens_equal_vs_tp2_psum')}"
+        )
     for e in out["errors"]:
         print("error:", e[:600])
     faulthandler.cancel_dump_traceback_later()

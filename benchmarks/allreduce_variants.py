@@ -21,13 +21,17 @@ VARIANTS = {
     "one-shot all-reduce kernel": {"XLA_FLAGS": "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true"},
     "sync all-reduce": {"XLA_FLAGS": "--xla_gpu_disable_async_collectives=ALLREDUCE"},
 }
-_PROBE = ("import sys; sys.path.insert(0, 'benchmarks'); import tp_gpu; "
-          "print('US', tp_gpu.allreduce_us(4096, {batch}))")
+_PROBE = "import sys; sys.path.insert(0, 'benchmarks'); import tp_gpu; print('US', tp_gpu.allreduce_us(4096, {batch}))"
 
 
 def probe(env: dict[str, str], batch: int) -> float | str:
-    proc = subprocess.run([sys.executable, "-c", _PROBE.format(batch=batch)], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(batch=batch)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("US "):
             return float(line.split()[1])

@@ -9,6 +9,7 @@ Llama-3.1-8B, random bf16 weights. A variant is `base` or fields of `decode_atte
 decode timings after a compiling call, and the greedy tokens against the first variant's. "base" first
 and last shows the drift within the run.
 """
+
 import dataclasses
 import functools
 import os
@@ -56,7 +57,8 @@ def main():
         blocks = block_sizes(variant)
         looped_model.KERNEL_CALLS.update(
             qkv_attend=functools.partial(DEFAULT_CALLS["qkv_attend"], attention_blocks=blocks),
-            sdpa=functools.partial(DEFAULT_CALLS["sdpa"], block_sizes=blocks))
+            sdpa=functools.partial(DEFAULT_CALLS["sdpa"], block_sizes=blocks),
+        )
         engine = Engine(model)
         for context in contexts:
             for batch in batches:
@@ -67,10 +69,17 @@ def main():
                 key = (batch, context)
                 agree = tokens_agree(first[key], best.tokens) if key in first else None
                 first.setdefault(key, best.tokens)
-                record(dict(variant=variant, batch=batch, context=context,
-                            ms=round(best.decode_s / best.steps * 1e3, 3),
-                            all_ms=[round(t.decode_s / t.steps * 1e3, 3) for t in runs],
-                            tokens_agree_with_first=agree), "attention_ab_gpu.jsonl")
+                record(
+                    dict(
+                        variant=variant,
+                        batch=batch,
+                        context=context,
+                        ms=round(best.decode_s / best.steps * 1e3, 3),
+                        all_ms=[round(t.decode_s / t.steps * 1e3, 3) for t in runs],
+                        tokens_agree_with_first=agree,
+                    ),
+                    "attention_ab_gpu.jsonl",
+                )
         looped_model.KERNEL_CALLS.update(DEFAULT_CALLS)
         del engine
 

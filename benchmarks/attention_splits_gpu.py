@@ -11,6 +11,7 @@ to 18 (the divisors of the 18 blocks of 64 rows). Every configuration's output i
 the default's. The default's rule is `decode_attention_kernels._layout` (since 2026-12-01: about 576
 programs, at most 660 and 32 splits; before, the fewest splits that gave 264 programs).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,13 @@ LAYERS, S, H, GROUP, LENGTH = 32, 1152, 128, 4, 1040
 def time_config(q, k, v, lengths, blocks) -> tuple[float, np.ndarray]:
     @jax.jit
     def run(q, k, v, lengths):
-        return [da.decode_attention_sync_rows(q, k, v, lengths, group=GROUP, layer=jnp.int32(i), block_sizes=blocks,
-                                              length_offset=1) for i in range(LAYERS)]
+        return [
+            da.decode_attention_sync_rows(
+                q, k, v, lengths, group=GROUP, layer=jnp.int32(i), block_sizes=blocks, length_offset=1
+            )
+            for i in range(LAYERS)
+        ]
+
     out = jax.block_until_ready(run(q, k, v, lengths))
     times = []
     for _ in range(15):
@@ -58,20 +64,41 @@ def main():
         for blocks in configs:
             us, out = time_config(q, k, v, lengths, blocks)
             err = float(np.abs(out - ref).max())
-            row = dict(batch=batch, kv_heads=kv_heads, splits=blocks.num_splits, warps=blocks.num_warps,
-                       stages=blocks.num_stages, us=round(us, 2), default_us=round(default_us, 2),
-                       default_splits=default_splits, gb_s=round(nbytes / us / 1e3, 1), max_abs_vs_default=err)
+            row = dict(
+                batch=batch,
+                kv_heads=kv_heads,
+                splits=blocks.num_splits,
+                warps=blocks.num_warps,
+                stages=blocks.num_stages,
+                us=round(us, 2),
+                default_us=round(default_us, 2),
+                default_splits=default_splits,
+                gb_s=round(nbytes / us / 1e3, 1),
+                max_abs_vs_default=err,
+            )
             rows.append(row)
             print(row, flush=True)
         del k, v
     with open(os.path.join(os.environ.get("OUT", "."), "attention_splits_gpu.json"), "w") as fh:
-        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                       date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows), fh, indent=1)
-    print(f"\n{'B':>3s} {'K':>2s} {'splits':>6s} {'warps':>5s} {'stages':>6s} {'us/layer':>9s} {'GB/s':>7s} "
-          f"{'default (splits)':>17s}")
+        json.dump(
+            dict(
+                device=jax.devices()[0].device_kind,
+                jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                rows=rows,
+            ),
+            fh,
+            indent=1,
+        )
+    print(
+        f"\n{'B':>3s} {'K':>2s} {'splits':>6s} {'warps':>5s} {'stages':>6s} {'us/layer':>9s} {'GB/s':>7s} "
+        f"{'default (splits)':>17s}"
+    )
     for r in rows:
-        print(f"{r['batch']:3d} {r['kv_heads']:2d} {r['splits']:6d} {r['warps']:5d} {r['stages']:6d} {r['us']:9.2f} "
-              f"{r['gb_s']:7.1f} {r['default_us']:9.2f} ({r['default_splits']})")
+        print(
+            f"{r['batch']:3d} {r['kv_heads']:2d} {r['splits']:6d} {r['warps']:5d} {r['stages']:6d} {r['us']:9.2f} "
+            f"{r['gb_s']:7.1f} {r['default_us']:9.2f} ({r['default_splits']})"
+        )
 
 
 if __name__ == "__main__":

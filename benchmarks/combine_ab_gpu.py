@@ -9,6 +9,7 @@ Per variant: the best of three 64-step decode timings (`bench.time_engine`); run
 to show the drift within the run. Greedy tokens are compared with the first variant's (leading
 tokens equal in every sequence).
 """
+
 import functools
 import os
 import sys
@@ -27,14 +28,20 @@ DEFAULT_SDPA = looped_model.KERNEL_CALLS["sdpa"]
 def engine_with(model, combine: str, tp: int):
     """An engine whose attention hook combines the splits as `combine` says. The hook table is patched
     until the caller restores it after the first (tracing) call: the TP engine traces lazily."""
-    looped_model.KERNEL_CALLS["sdpa"] = functools.partial(looped_model.kernel_attention,
-                                                          block_sizes=BlockSizes(combine=combine))
+    looped_model.KERNEL_CALLS["sdpa"] = functools.partial(
+        looped_model.kernel_attention, block_sizes=BlockSizes(combine=combine)
+    )
     return engine_for(model, tp)
 
 
 def main():
-    run_variants("combine", "xla,kernel,xla", engine_with, lambda: looped_model.KERNEL_CALLS.update(sdpa=DEFAULT_SDPA),
-                 "combine_ab_gpu.jsonl")
+    run_variants(
+        "combine",
+        "xla,kernel,xla",
+        engine_with,
+        lambda: looped_model.KERNEL_CALLS.update(sdpa=DEFAULT_SDPA),
+        "combine_ab_gpu.jsonl",
+    )
 
 
 if __name__ == "__main__":

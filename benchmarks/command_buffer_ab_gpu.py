@@ -8,6 +8,7 @@ and the next. This times the decode (Llama-3.1-8B, random bf16, 1k context; batc
 the chunk function compiled per variant through `jax.jit(compiler_options=...)`, alternating the
 variants twice, best of 3 runs of 64 steps each.
 """
+
 import json
 import os
 import time
@@ -34,8 +35,9 @@ def main():
     engine = Engine(model)
     for rep in range(2):
         for name, options in VARIANTS.items():
-            engine._chunk = jax.jit(engine._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1,
-                                    compiler_options=options)
+            engine._chunk = jax.jit(
+                engine._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1, compiler_options=options
+            )
             for batch in (1, 8, 32):
                 prompts = np.ones((batch, 16), np.int32)
                 start = time.perf_counter()
@@ -47,8 +49,16 @@ def main():
                 rows.append(dict(variant=name, rep=rep, batch=batch, ms=ms, first_s=first_s, tokens_agree=same))
                 print(f"{name:18s} rep {rep} B{batch:<3d} {ms:.3f} ms/token (first {first_s:.1f} s)", flush=True)
             with open(os.path.join(os.environ.get("OUT", "."), "command_buffer_ab.json"), "w") as fh:
-                json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), jax=jax.__version__,
-                               device=jax.devices()[0].device_kind, rows=rows), fh, indent=1)
+                json.dump(
+                    dict(
+                        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        jax=jax.__version__,
+                        device=jax.devices()[0].device_kind,
+                        rows=rows,
+                    ),
+                    fh,
+                    indent=1,
+                )
 
 
 if __name__ == "__main__":

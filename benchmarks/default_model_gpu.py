@@ -73,16 +73,26 @@ def main() -> int:
         engine, tokens, logits = _run(args.gguf, dtype, prompts, device=gpu, loop_mode=None)
         agree = [_leading_agreement(t, r) for t, r in zip(tokens, ref_tokens)]
         top5 = [set(np.argsort(-l)[:5]) == set(np.argsort(-r)[:5]) for l, r in zip(logits, ref_logits)]
-        row = dict(path=name, loop_mode=engine._plan.mode, identical=sum(t == r for t, r in zip(tokens, ref_tokens)),
-                   leading_agree=agree, first_token_agree=sum(t[0] == r[0] for t, r in zip(tokens, ref_tokens)),
-                   top5_agree=int(sum(top5)), max_abs_logit_diff=float(np.abs(logits - ref_logits).max()),
-                   logit_scale=scale)
+        row = dict(
+            path=name,
+            loop_mode=engine._plan.mode,
+            identical=sum(t == r for t, r in zip(tokens, ref_tokens)),
+            leading_agree=agree,
+            first_token_agree=sum(t[0] == r[0] for t, r in zip(tokens, ref_tokens)),
+            top5_agree=int(sum(top5)),
+            max_abs_logit_diff=float(np.abs(logits - ref_logits).max()),
+            logit_scale=scale,
+        )
         result["rows"].append(row)
     print(json.dumps(result, indent=1))
-    print(f"\n{'path':9s} {'mode':8s} {'identical':>9s} {'first tok':>9s} {'top-5':>6s} {'max |Δlogit|':>12s}  leading agree")
+    print(
+        f"\n{'path':9s} {'mode':8s} {'identical':>9s} {'first tok':>9s} {'top-5':>6s} {'max |Δlogit|':>12s}  leading agree"
+    )
     for r in result["rows"]:
-        print(f"{r['path']:9s} {r['loop_mode']:8s} {r['identical']:>6d}/{len(prompts)} {r['first_token_agree']:>6d}/{len(prompts)} "
-              f"{r['top5_agree']:>3d}/{len(prompts)} {r['max_abs_logit_diff']:12.4g}  {r['leading_agree']}")
+        print(
+            f"{r['path']:9s} {r['loop_mode']:8s} {r['identical']:>6d}/{len(prompts)} {r['first_token_agree']:>6d}/{len(prompts)} "
+            f"{r['top5_agree']:>3d}/{len(prompts)} {r['max_abs_logit_diff']:12.4g}  {r['leading_agree']}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

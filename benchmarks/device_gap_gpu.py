@@ -25,6 +25,7 @@ kernels per step and the median gap between consecutive kernels on GPU 0. Prints
 device_gap_gpu.json under --out. Process-wide XLA_FLAGS (command buffers, PDL) are set by the
 caller, so run the script once per flag set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
-from benchmarks.gpu_trace import gpu_pids, kernel_events, track_names, traced_events  # noqa: E402
+from benchmarks.gpu_trace import gpu_pids, kernel_events, traced_events, track_names  # noqa: E402
 
 STEPS, CHAIN, WIDTH = 32, 12, 8192
 
@@ -55,6 +57,7 @@ def mosaic_step(x):
         for start in range(0, x_ref.shape[0], 4096):
             part = pl.ds(start, 4096)
             y_ref[part] = (x_ref[part].astype(jnp.float32) * 1.0001 + 0.25).astype(y_ref.dtype)
+
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), compiler_params=params)(x)
 
@@ -62,6 +65,7 @@ def mosaic_step(x):
 def triton_step(x):
     """An RMSNorm of x as one Pallas-Triton kernel (the decode's norm kernel)."""
     from kernels.rms_norm import rms_norm
+
     return rms_norm(x.reshape(1, -1), jnp.ones((1, x.shape[0]), x.dtype), 0, eps=1e-5).reshape(x.shape)
 
 
@@ -72,6 +76,7 @@ def chain(x, slabs=None, psum_axis=None, middle=None, axis=None):
     """STEPS loop iterations of CHAIN separate elementwise kernels (and optionally a tiny psum);
     `middle` ("mosaic", "triton" or "axis") replaces the middle one; with `slabs` [CHAIN, SLAB]
     each plain kernel also sums its slab."""
+
     def body(_, x):
         for i in range(CHAIN):
             if slabs is not None and not (i == CHAIN // 2 and middle):
@@ -87,6 +92,7 @@ def chain(x, slabs=None, psum_axis=None, middle=None, axis=None):
         if psum_axis is not None:
             x = x + 1e-6 * jax.lax.psum(x[:1], psum_axis)
         return x
+
     return jax.lax.fori_loop(0, STEPS, body, x)
 
 
@@ -100,6 +106,7 @@ def build(setup: str):
         return (lambda: f(x)), jax.block_until_ready
     if setup == "enable_peers":  # CUDA peer access between the two GPUs' primary contexts, nothing else
         import cupy
+
         for me, peer in ((0, 1), (1, 0)):
             with cupy.cuda.Device(me):
                 if not cupy.cuda.runtime.deviceCanAccessPeer(me, peer):
@@ -119,6 +126,7 @@ def build(setup: str):
 
     def slabs_on(where):
         return jax.device_put(jnp.ones(slab_shape, dtype), where)
+
     if setup in ("one", "one_dev1", "two_jits"):
         f = jax.jit(lambda x, slabs: chain(x, slabs if heavy else None, middle=middle))
         targets = {"one": devs[:1], "one_dev1": devs[1:2], "two_jits": devs[:2]}[setup]
@@ -128,9 +136,15 @@ def build(setup: str):
     x = jax.device_put(jnp.zeros((2 * WIDTH,), dtype), NamedSharding(mesh, P("tp")))
     slabs = jax.device_put(jnp.ones((2 * slab_shape[0], slab_shape[1]), dtype), NamedSharding(mesh, P("tp")))
     psum_axis = "tp" if setup == "shard2_psum" else None
-    f = jax.jit(jax.shard_map(lambda x, s: chain(x, s if heavy else None, psum_axis=psum_axis, middle=middle,
-                                                 axis="tp"),
-                              mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, s: chain(x, s if heavy else None, psum_axis=psum_axis, middle=middle, axis="tp"),
+            mesh=mesh,
+            in_specs=(P("tp"), P("tp")),
+            out_specs=P("tp"),
+            check_vma=False,
+        )
+    )
     return (lambda: f(x, slabs)), jax.block_until_ready
 
 
@@ -149,14 +163,17 @@ def measure(setup: str, trace_root: str) -> dict:
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(kernels, kernels[1:])]
     inner = [g for g in gaps if g < 2.0]
     n = STEPS * CHAIN
-    return dict(setup=setup, wall_us=round(statistics.median(walls), 1),
-                wall_us_per_kernel=round(statistics.median(walls) / n, 3),
-                traced_kernels=len(kernels), median_kernel_us=round(
-                    statistics.median(d for _, d in kernels), 3) if kernels else None,
-                median_gap_us=round(statistics.median(inner), 3) if inner else None,
-                long_gaps=len(gaps) - len(inner),
-                # every kind of event on GPU 0 (per stream: count and longest), to catch work left running
-                gpu0_events=_event_kinds(events, gpu0, names))
+    return dict(
+        setup=setup,
+        wall_us=round(statistics.median(walls), 1),
+        wall_us_per_kernel=round(statistics.median(walls) / n, 3),
+        traced_kernels=len(kernels),
+        median_kernel_us=round(statistics.median(d for _, d in kernels), 3) if kernels else None,
+        median_gap_us=round(statistics.median(inner), 3) if inner else None,
+        long_gaps=len(gaps) - len(inner),
+        # every kind of event on GPU 0 (per stream: count and longest), to catch work left running
+        gpu0_events=_event_kinds(events, gpu0, names),
+    )
 
 
 def _event_kinds(events, pid, names) -> dict:
@@ -172,8 +189,11 @@ def _event_kinds(events, pid, names) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--setups", default="one,one_dev1,shard2,shard2_psum,two_jits,one+mosaic,shard2+mosaic,"
-                                       "one+triton,shard2+triton,shard2+axis")
+    p.add_argument(
+        "--setups",
+        default="one,one_dev1,shard2,shard2_psum,two_jits,one+mosaic,shard2+mosaic,"
+        "one+triton,shard2+triton,shard2+axis",
+    )
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -188,15 +208,19 @@ def main() -> int:
     old = json.load(open(path)) if os.path.exists(path) else []
     with open(path, "w") as fh:
         json.dump(old + rows, fh, indent=1)
-    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, XLA_FLAGS={flags!r}")
+    print(
+        f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, XLA_FLAGS={flags!r}"
+    )
     print(f"{'setup':14s} {'wall µs/kernel':>15s} {'kernels':>8s} {'kernel µs':>10s} {'gap µs':>7s}")
     for r in rows:
         if "error" in r:
             print(f"{r['setup']:14s} {r['error'][:80]}")
         else:
-            print(f"{r['setup']:14s} {r['wall_us_per_kernel']:15.3f} {r['traced_kernels']:8d} "
-                  f"{r['median_kernel_us']!s:>10s} {r['median_gap_us']!s:>7s}")
+            print(
+                f"{r['setup']:14s} {r['wall_us_per_kernel']:15.3f} {r['traced_kernels']:8d} "
+                f"{r['median_kernel_us']!s:>10s} {r['median_gap_us']!s:>7s}"
+            )
     return 0
 
 

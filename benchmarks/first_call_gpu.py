@@ -9,6 +9,7 @@ compile at once, `decode.compile_at_once` in `bench.time_engine`); "one thread" 
 compilations one after the other. Then the same with JAX's persistent compilation cache in a fresh
 directory: the first process fills it, the second reads it.
 """
+
 import json
 import os
 import subprocess

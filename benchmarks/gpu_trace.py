@@ -1,4 +1,5 @@
 """Shared by the GPU benchmark scripts: run something under the JAX profiler and read its events back."""
+
 import glob
 import gzip
 import json
@@ -39,5 +40,8 @@ def gpu_pids(names: dict) -> set:
 
 def kernel_events(events, pids) -> list[dict]:
     """The kernels ("X" events, memory copies left out) on the GPU tracks `pids`, in trace order."""
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e
-            and "memcpy" not in e.get("name", "").lower()]
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e and "memcpy" not in e.get("name", "").lower()
+    ]

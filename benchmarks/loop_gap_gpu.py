@@ -10,6 +10,7 @@ kernel of one layer and the first of the next. This script (Llama-3.1-8B, random
    layer boundaries;
 3. times the decode with the layer scan unrolled by 1, 2 and 4 (`lax.scan(unroll=)`), best of 3.
 """
+
 import functools
 import json
 import os
@@ -21,9 +22,9 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gpu_trace import gpu_pids, traced_events, track_names
 from jax import lax
 
-from gpu_trace import gpu_pids, track_names, traced_events
 from jaxdecode import looping_eval
 from jaxdecode.bench import time_engine
 from jaxdecode.config import get_preset
@@ -31,8 +32,11 @@ from jaxdecode.decode import Engine
 from jaxdecode.model import init_random
 
 OUT = os.environ.get("OUT", ".")
-RESULTS: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "jax": jax.__version__,
-                 "device": jax.devices()[0].device_kind}
+RESULTS: dict = {
+    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    "jax": jax.__version__,
+    "device": jax.devices()[0].device_kind,
+}
 
 
 def log(*a):
@@ -64,13 +68,26 @@ def while_bodies(hlo: str) -> list[dict]:
                 continue
             body = re.search(r"body=%?([\w.\-]+)", line).group(1)
             config = re.search(r"backend_config=(\{.*\})", line)
-            ops = [ln for ln in comps.get(body, []) if not re.search(r"= \S+ (fusion|custom-call|parameter|"
-                                                                    r"get-tuple-element|tuple|constant)\(", ln)]
+            ops = [
+                ln
+                for ln in comps.get(body, [])
+                if not re.search(
+                    r"= \S+ (fusion|custom-call|parameter|"
+                    r"get-tuple-element|tuple|constant)\(",
+                    ln,
+                )
+            ]
             kernels = [ln for ln in comps.get(body, []) if re.search(r" (fusion|custom-call)\(", ln)]
-            found.append(dict(body=body, config=config.group(1)[:400] if config else None,
-                              n_instructions=len(comps.get(body, [])), n_kernels=len(kernels),
-                              other_ops=[o[:300] for o in ops], root=[ln[:600] for ln in comps.get(body, [])
-                                                                      if ln.startswith("ROOT")]))
+            found.append(
+                dict(
+                    body=body,
+                    config=config.group(1)[:400] if config else None,
+                    n_instructions=len(comps.get(body, [])),
+                    n_kernels=len(kernels),
+                    other_ops=[o[:300] for o in ops],
+                    root=[ln[:600] for ln in comps.get(body, []) if ln.startswith("ROOT")],
+                )
+            )
     return found
 
 
@@ -94,16 +111,31 @@ def trace_boundaries(engine, prompts):
         rows = []
         for e in gpu[lo:hi]:
             launch = by_corr.get(str((e.get("args") or {}).get("correlation_id")))
-            rows.append([e["name"][:40], round(e["ts"] - t0, 2), round(e["dur"], 2),
-                         None if launch is None else round(launch["ts"] - t0, 2),
-                         None if launch is None else round(launch["dur"], 2),
-                         None if launch is None else launch["name"][:30]])
+            rows.append(
+                [
+                    e["name"][:40],
+                    round(e["ts"] - t0, 2),
+                    round(e["dur"], 2),
+                    None if launch is None else round(launch["ts"] - t0, 2),
+                    None if launch is None else round(launch["dur"], 2),
+                    None if launch is None else launch["name"][:30],
+                ]
+            )
         windows.append(rows)
         # every host event in the window: what the host threads were doing at the boundary
         h0, h1 = gpu[lo]["ts"] - 300, gpu[hi - 1]["ts"]
-        host_windows.append([[names.get((e["pid"], e["tid"]), str(e["tid"]))[:24], e["name"][:50],
-                              round(e["ts"] - t0, 2), round(e["dur"], 2)]
-                             for e in host if h0 <= e["ts"] <= h1][:150])
+        host_windows.append(
+            [
+                [
+                    names.get((e["pid"], e["tid"]), str(e["tid"]))[:24],
+                    e["name"][:50],
+                    round(e["ts"] - t0, 2),
+                    round(e["dur"], 2),
+                ]
+                for e in host
+                if h0 <= e["ts"] <= h1
+            ][:150]
+        )
     sample_args = [(e["name"][:40], e.get("args")) for e in gpu[-3:]]
     streams = {}
     for e in gpu:
@@ -123,23 +155,44 @@ def trace_boundaries(engine, prompts):
         host_names[e["name"][:60]][0] += 1
         host_names[e["name"][:60]][1] += e["dur"]
     top_host = sorted(host_names.items(), key=lambda kv: -kv[1][1])[:30]
-    return dict(windows=windows, host_windows=host_windows, streams=streams, memcpys=memcpys, top_host=top_host,
-                sample_args=sample_args, n_corr=len(by_corr))
+    return dict(
+        windows=windows,
+        host_windows=host_windows,
+        streams=streams,
+        memcpys=memcpys,
+        top_host=top_host,
+        sample_args=sample_args,
+        n_corr=len(by_corr),
+    )
 
 
 def gap_census(engine, prompts, label: str) -> dict:
     """Trace a 32-step chunk; count graph launches and kernel-free gaps on the compute stream."""
-    events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=32),
-                           os.path.join(OUT, f"trace_{label}"))
+    events = traced_events(
+        lambda: time_engine(engine, prompts, context=1024, steps=32), os.path.join(OUT, f"trace_{label}")
+    )
     on_gpu = gpu_pids(track_names(events))
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in on_gpu
-                      and e.get("args", {}).get("hlo_module") == "jit__chunk_fn"), key=lambda e: e["ts"])
+    kernels = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("pid") in on_gpu and e.get("args", {}).get("hlo_module") == "jit__chunk_fn"
+        ),
+        key=lambda e: e["ts"],
+    )
     graphs = {(e["args"].get("cuda_graph_id"), e["args"].get("correlation_id")) for e in kernels}
     gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(kernels, kernels[1:])]
     big = [g for g in gaps if 2.5 < g < 50]
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
-    out = dict(label=label, kernels=len(kernels), graph_launches=len(graphs), gaps_over_2_5us=len(big),
-               gap_us=round(sum(big), 1), busy_us=round(sum(e["dur"] for e in kernels), 1), span_us=round(span, 1))
+    out = dict(
+        label=label,
+        kernels=len(kernels),
+        graph_launches=len(graphs),
+        gaps_over_2_5us=len(big),
+        gap_us=round(sum(big), 1),
+        busy_us=round(sum(e["dur"] for e in kernels), 1),
+        span_us=round(span, 1),
+    )
     log("census", out)
     return out
 
@@ -172,24 +225,33 @@ def main():
 
     engine = Engine(model)
     cache = engine.new_cache(1, 1024 + 64)
-    step = jax.jit(engine.forward).lower(engine.params, jnp.ones((1, 1), jnp.int32),
-                                         jnp.full((1, 1), 1024, jnp.int32), cache).compile()
+    step = (
+        jax.jit(engine.forward)
+        .lower(engine.params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), 1024, jnp.int32), cache)
+        .compile()
+    )
     hlo = step.as_text()
     with open(os.path.join(OUT, "decode_step_hlo.txt"), "w") as fh:
         fh.write(hlo)
     del cache
     RESULTS["while"] = while_bodies(hlo)
     for w in RESULTS["while"]:
-        log(f"while body {w['body']}: {w['n_instructions']} instructions, {w['n_kernels']} kernels; "
-            f"config {w['config']}")
+        log(
+            f"while body {w['body']}: {w['n_instructions']} instructions, {w['n_kernels']} kernels; "
+            f"config {w['config']}"
+        )
         for o in w["other_ops"]:
             log("   ", o[:200])
         for r in w["root"]:
             log("  ROOT", r[:400])
 
     RESULTS["trace"] = trace_boundaries(engine, prompts)
-    log("sample GPU event args:", RESULTS["trace"]["sample_args"], "host events with a correlation id:",
-        RESULTS["trace"]["n_corr"])
+    log(
+        "sample GPU event args:",
+        RESULTS["trace"]["sample_args"],
+        "host events with a correlation id:",
+        RESULTS["trace"]["n_corr"],
+    )
     for win in RESULTS["trace"]["windows"][:4]:
         log("-- boundary window (kernel, GPU start rel. to the norm, dur, launch start, launch dur, api) --")
         for row in win:

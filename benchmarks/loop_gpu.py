@@ -35,8 +35,11 @@ from jaxdecode.cost import decode_cost
 from jaxdecode.decode import Engine
 from jaxdecode.model import init_random
 
-VARIANTS = {"unrolled": dict(loop_layers=False), "looped_copy": dict(loop_mode="slice"),
-            "looped_inplace": dict(loop_mode="inplace")}
+VARIANTS = {
+    "unrolled": dict(loop_layers=False),
+    "looped_copy": dict(loop_mode="slice"),
+    "looped_inplace": dict(loop_mode="inplace"),
+}
 _DS = re.compile(r"= (bf16|f32|f16)\[([\d,]*)\]\{[^}]*\} (dynamic-slice|fusion)\(")
 
 
@@ -58,13 +61,26 @@ def hlo_counts(engine: Engine, batch: int, cache_len: int, weight_bytes: int, ca
         elif n == cache_bytes:
             caches.append(entry)
     customs = sorted({c for c in re.findall(r'custom_call_target="([^"]+)"', hlo)})
-    return {"weight_copies": len(weights), "weight_copy_bytes": sum(c["bytes"] for c in weights),
-            "weight_copy_examples": weights[:4], "cache_copies": len(caches),
-            "custom_calls": len(re.findall(r" custom-call\(", hlo)), "custom_call_targets": customs}
+    return {
+        "weight_copies": len(weights),
+        "weight_copy_bytes": sum(c["bytes"] for c in weights),
+        "weight_copy_examples": weights[:4],
+        "cache_copies": len(caches),
+        "custom_calls": len(re.findall(r" custom-call\(", hlo)),
+        "custom_call_targets": customs,
+    }
 
 
-def hf_rows(model, new_tokens: int, prompt_len: int, deadline: float, moved: float, ceiling: float, on_row,
-            only_static: bool = False) -> None:
+def hf_rows(
+    model,
+    new_tokens: int,
+    prompt_len: int,
+    deadline: float,
+    moved: float,
+    ceiling: float,
+    on_row,
+    only_static: bool = False,
+) -> None:
     """HF transformers peers at batch 1 on a copy of our weights (`jaxdecode.bench_peers`): eager, then a
     static cache with the forward compiled by HF (torch.compile, CUDA graphs); decode steps only."""
     from jaxdecode import bench_peers
@@ -76,10 +92,18 @@ def hf_rows(model, new_tokens: int, prompt_len: int, deadline: float, moved: flo
             continue
         timing, extra = bench_peers.hf_runner(hf, compiled=compiled)(prompts, context=0, steps=new_tokens)
         ms = timing.decode_s / timing.steps * 1e3
-        on_row({"variant": variant, "batch": 1, "first_call_s": round(timing.first_call_s, 2),
-                "prefill_ms": round(timing.prefill_s * 1e3, 2), "decode_ms_per_step": round(ms, 3),
+        on_row(
+            {
+                "variant": variant,
+                "batch": 1,
+                "first_call_s": round(timing.first_call_s, 2),
+                "prefill_ms": round(timing.prefill_s * 1e3, 2),
+                "decode_ms_per_step": round(ms, 3),
                 "decode_tok_s": round(1e3 / ms, 1),
-                "pct_of_read_ceiling": round(100 * moved / (ms / 1e3) / 1e9 / ceiling, 1), "note": extra["note"]})
+                "pct_of_read_ceiling": round(100 * moved / (ms / 1e3) / 1e9 / ceiling, 1),
+                "note": extra["note"],
+            }
+        )
     del hf
     bench_peers.release_memory()
 
@@ -106,9 +130,15 @@ def main() -> None:
     ceiling = read_ceiling_gb_s(args.ceiling_gib)
     model = init_random(cfg, dtype=dtype)
     weight_bytes = itemsize * cfg.dim * cfg.kv_dim
-    result = {"hardware": jax.devices()[0].device_kind, "jax": jax.__version__, "model": args.model,
-              "dtype": jnp.dtype(dtype).name, "read_ceiling_gb_s": round(ceiling, 1),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": []}
+    result = {
+        "hardware": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "model": args.model,
+        "dtype": jnp.dtype(dtype).name,
+        "read_ceiling_gb_s": round(ceiling, 1),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "rows": [],
+    }
 
     def save():
         if args.out:
@@ -128,8 +158,9 @@ def main() -> None:
         for name in args.variants:
             try:
                 engine = Engine(model, **VARIANTS[name])
-                m = measure_decode(engine, model_name=args.model, batch=batch, prompt_len=args.prompt_len,
-                                   new_tokens=args.new_tokens)
+                m = measure_decode(
+                    engine, model_name=args.model, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens
+                )
             except Exception as e:  # one variant failing must not lose the others
                 result.setdefault("errors", []).append(f"{name} B{batch}: {type(e).__name__}: {str(e)[-800:]}")
                 print(result["errors"][-1], flush=True)
@@ -144,17 +175,29 @@ def main() -> None:
     if args.hf:
         moved = decode_cost(cfg, batch=1, context=args.prompt_len + args.new_tokens // 2, itemsize=itemsize).bytes
         try:
-            hf_rows(model, args.new_tokens, args.prompt_len, t0 + args.deadline_s, moved, ceiling, on_row,
-                    args.hf_only_static)
+            hf_rows(
+                model,
+                args.new_tokens,
+                args.prompt_len,
+                t0 + args.deadline_s,
+                moved,
+                ceiling,
+                on_row,
+                args.hf_only_static,
+            )
         except Exception as e:  # a peer failing must not lose the rows above
             result["hf_error"] = f"{type(e).__name__}: {e}"[:500]
         save()
-    print(f"{'variant':15} {'B':>2} {'first call s':>12} {'ms/token':>9} {'tok/s':>8} {'% read BW':>9} "
-          f"{'W copies':>8} {'KV copies':>9} {'custom calls':>12}")
+    print(
+        f"{'variant':15} {'B':>2} {'first call s':>12} {'ms/token':>9} {'tok/s':>8} {'% read BW':>9} "
+        f"{'W copies':>8} {'KV copies':>9} {'custom calls':>12}"
+    )
     for r in result["rows"]:
-        print(f"{r['variant']:15} {r['batch']:>2} {r['first_call_s']:12.1f} {r['decode_ms_per_step']:9.2f} "
-              f"{r['decode_tok_s']:8.1f} {r['pct_of_read_ceiling']:9.1f} {r.get('weight_copies', '-'):>8} "
-              f"{r.get('cache_copies', '-'):>9} {r.get('custom_calls', '-'):>12}")
+        print(
+            f"{r['variant']:15} {r['batch']:>2} {r['first_call_s']:12.1f} {r['decode_ms_per_step']:9.2f} "
+            f"{r['decode_tok_s']:8.1f} {r['pct_of_read_ceiling']:9.1f} {r.get('weight_copies', '-'):>8} "
+            f"{r.get('cache_copies', '-'):>9} {r.get('custom_calls', '-'):>12}"
+        )
     print(json.dumps(result))
     save()
 

@@ -6,6 +6,7 @@ Llama-3.1-8B with random bf16 weights, 1k context, batch 1 and 8; the best of th
 timings per variant (`bench.time_engine`), with the norm kernel measured before and after the XLA
 norm to show the drift within the run. The first call's time is printed too.
 """
+
 import json
 import os
 import time

@@ -8,6 +8,7 @@ Llama-3.1-8B, random bf16 weights, 1k context, on one GPU or 2 (`--tp 2`: the al
 Per variant and batch: the best of three 64-step decode timings (`bench.time_engine`); "off" first
 and last shows the drift within the run. Greedy tokens are compared with the first variant's.
 """
+
 import os
 import sys
 
@@ -30,8 +31,13 @@ def engine_with(model, variant: str, tp: int):
 
 
 def main():
-    run_variants("qkv_attend", "off,on,off", engine_with, lambda: looped_model.KERNEL_CALLS.update(DEFAULT_CALLS),
-                 "qkv_attend_ab_gpu.jsonl")
+    run_variants(
+        "qkv_attend",
+        "off,on,off",
+        engine_with,
+        lambda: looped_model.KERNEL_CALLS.update(DEFAULT_CALLS),
+        "qkv_attend_ab_gpu.jsonl",
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ engine's default. Greedy
 tokens are compared with the first variant's. At batch 8 the o projection runs the Stream-K kernel,
 whose partials the hook does not take: "on" and "off" run the same kernels there (a control).
 """
+
 import functools
 import os
 import sys
@@ -33,18 +34,26 @@ def engine_with(model, variant: str, tp: int):
         if part == "off":
             del looped_model.KERNEL_CALLS["residual_norm"]
         elif part.startswith("on") and part[2:]:
-            looped_model.KERNEL_CALLS["residual_norm"] = functools.partial(DEFAULT_CALLS["residual_norm"],
-                                                                           num_warps=int(part[2:]))
+            looped_model.KERNEL_CALLS["residual_norm"] = functools.partial(
+                DEFAULT_CALLS["residual_norm"], num_warps=int(part[2:])
+            )
         elif part.startswith("norm"):
-            looped_model.KERNEL_CALLS["rms_norm"] = functools.partial(DEFAULT_CALLS["rms_norm"], num_warps=int(part[4:]))
+            looped_model.KERNEL_CALLS["rms_norm"] = functools.partial(
+                DEFAULT_CALLS["rms_norm"], num_warps=int(part[4:])
+            )
         elif part != "on":
             raise SystemExit(f"residual_norm_ab_gpu: unknown variant part {part!r}")
     return engine_for(model, tp)
 
 
 def main():
-    run_variants("residual_norm", "off,on,off", engine_with,
-                 lambda: looped_model.KERNEL_CALLS.update(DEFAULT_CALLS), "residual_norm_ab_gpu.jsonl")
+    run_variants(
+        "residual_norm",
+        "off,on,off",
+        engine_with,
+        lambda: looped_model.KERNEL_CALLS.update(DEFAULT_CALLS),
+        "residual_norm_ab_gpu.jsonl",
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the same programs with `xla_gpu_enable_command_buffer` also naming COLLECTIVES
 2. Llama-3.1-8B TP2 decode at batch 1, 1k context (random bf16 weights; the decode chunk compiled
    per setting; alternating, best of 3 runs of 64 steps, twice), with the greedy tokens compared.
 """
+
 import json
 import os
 import sys
@@ -20,12 +21,12 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from tp_gpu import allreduce_us  # noqa: E402
 
 from jaxdecode.bench import time_engine  # noqa: E402
 from jaxdecode.config import get_preset  # noqa: E402
 from jaxdecode.decode import Engine  # noqa: E402
 from jaxdecode.model import init_random  # noqa: E402
-from tp_gpu import allreduce_us  # noqa: E402
 
 SETTINGS = {
     "xla_default": None,
@@ -37,8 +38,12 @@ def main():
     if len(jax.devices()) < 2:
         print("needs 2 GPUs", file=sys.stderr)
         return 2
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": jax.devices()[0].device_kind,
-           "psum_us": {}, "decode": []}
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": jax.devices()[0].device_kind,
+        "psum_us": {},
+        "decode": [],
+    }
     for name, options in SETTINGS.items():
         out["psum_us"][name] = allreduce_us(4096, 1, compiler_options=options)
         print(f"psum [1, 4096] bf16 over 2, {name}: {out['psum_us'][name]:.1f} us", flush=True)
@@ -46,8 +51,9 @@ def main():
     prompts = np.ones((1, 16), np.int32)
     chunks, tokens = {}, {}
     for name, options in SETTINGS.items():
-        chunks[name] = jax.jit(engine._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1,
-                               compiler_options=options)
+        chunks[name] = jax.jit(
+            engine._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1, compiler_options=options
+        )
         engine._chunk = chunks[name]
         tokens[name] = time_engine(engine, prompts, context=1024, steps=32).tokens
     out["tokens_equal"] = bool(np.array_equal(tokens["xla_default"], tokens["with_collectives"]))

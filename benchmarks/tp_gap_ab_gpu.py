@@ -37,6 +37,7 @@ variant without a mode goes to $OUT (`--xla_dump_to`), to name the fusions. With
 every traced event of the process (both GPUs, host threads) within about one layer of the middle of the
 step goes to DIR/events_<variant>.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,7 @@ def measure(variant: str) -> dict:
     from jaxdecode.tp import TPForward
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_trace import gpu_pids, kernel_events, track_names, traced_events
+    from gpu_trace import gpu_pids, kernel_events, traced_events, track_names
 
     tp = 2 if variant.startswith("tp2") else 1
 
@@ -75,12 +76,17 @@ def measure(variant: str) -> dict:
     via_tp = variant.startswith("tpx1")  # one GPU through the tensor-parallel program (shard_map over 1 device, psum)
     if "+peers" in variant:  # one GPU's engine in a process that first ran a psum over both GPUs
         from jax.sharding import Mesh, PartitionSpec
+
         mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
-        total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
-                                      out_specs=PartitionSpec()))(jnp.ones((2, 128), jnp.bfloat16))
+        total = jax.jit(
+            jax.shard_map(
+                lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec()
+            )
+        )(jnp.ones((2, 128), jnp.bfloat16))
         jax.block_until_ready(total)
     if "+loop_psum" in variant:  # first a small 2-GPU program with a psum inside a loop (benchmarks/device_gap_gpu.py)
         from device_gap_gpu import build
+
         run, block = build("shard2_psum")
         block(run())
     if "+after_tp2" in variant:  # one GPU's engine in a process that first ran the 2-GPU engine's decode
@@ -89,31 +95,38 @@ def measure(variant: str) -> dict:
             time_engine(tp2, np.ones((1, 16), np.int32), context=1024, steps=STEPS)
         del tp2
     from jaxdecode import looped_model
+
     if "-qkv_attend" in variant:  # the q·k·v epilogue as XLA's fusions (the hook off)
         looped_model.KERNEL_CALLS.pop("qkv_attend")
     if "~" in variant:  # "~N": the attention kernel picks its splits for N programs (BlockSizes.target_programs)
         import functools
 
         from kernels.decode_attention import BlockSizes
+
         if "~old" in variant:  # the rule before 2026-12-01: ~264 programs, no cap on programs or splits
             blocks = BlockSizes(target_programs=264, max_programs=None, max_splits=None)
         else:
             blocks = BlockSizes(target_programs=int(re.search(r"~(\d+)", variant).group(1)))
-        looped_model.KERNEL_CALLS["qkv_attend"] = functools.partial(looped_model.kernel_qkv_attend,
-                                                                    attention_blocks=blocks)
+        looped_model.KERNEL_CALLS["qkv_attend"] = functools.partial(
+            looped_model.kernel_qkv_attend, attention_blocks=blocks
+        )
     if "^" in variant:  # "^N": the all-reduce kernel takes activations of up to N elements (batch 8: 32768)
         from kernels import allreduce
+
         allreduce.PERSISTENT_MAX_ELEMENTS = int(re.search(r"\^(\d+)", variant).group(1))
     if "-nocomm" in variant or "-nocoll" in variant:  # timing only: the layers' all-reduces left out
         from jaxdecode import model as model_module
+
         model_module.tp_residual_add = lambda x, block_out, cfg: x + block_out
     if "-nocoll" in variant:  # timing only: no collective anywhere (also the embedding's psum, the LM head's gather)
         jax.lax.psum = lambda x, axis_name, **kw: x
     if "-nocoll" in variant or "-nogather" in variant:  # timing only: the LM head's all-gather left out
         jax.lax.all_gather = lambda x, axis_name, *, axis=0, tiled=False, **kw: (
-            jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis))
+            jnp.concatenate([x, x], axis=axis) if tiled else jnp.stack([x, x], axis=axis)
+        )
     if "+embed_kernel" in variant:  # the embedding's all-reduce by the kernel too: no NCCL psum in the step loop
         from jaxdecode import tp as tp_module
+
         tp_module.EMBED_KERNEL = True
     if "-residual_norm" in variant:  # the MLP's norm as its own kernel after the all-reduce (the hook off)
         looped_model.CONFIG_CALLS.pop("residual_norm")
@@ -122,9 +135,16 @@ def measure(variant: str) -> dict:
     preset = get_preset(PRESET)
     if variant.startswith("tp1half"):  # one GPU, one TP2 shard's shapes (half the heads, FFN and vocab), no all-reduce
         import dataclasses
-        preset = dataclasses.replace(preset, name=preset.name + "-tp2-shard", n_heads=preset.n_heads // 2,
-                                     n_kv_heads=preset.n_kv_heads // 2, ffn_dim=preset.ffn_dim // 2,
-                                     head_dim=preset.dim // preset.n_heads, vocab_size=preset.vocab_size // 2)
+
+        preset = dataclasses.replace(
+            preset,
+            name=preset.name + "-tp2-shard",
+            n_heads=preset.n_heads // 2,
+            n_kv_heads=preset.n_kv_heads // 2,
+            ffn_dim=preset.ffn_dim // 2,
+            head_dim=preset.dim // preset.n_heads,
+            vocab_size=preset.vocab_size // 2,
+        )
     model = init_random(preset, seed=0, dtype=jnp.bfloat16)
     allreduce = "psum" if "-psum" in variant else "kernel"  # "tp2-psum": XLA's all-reduce (NCCL), no Mosaic kernel
     if via_tp:
@@ -138,8 +158,12 @@ def measure(variant: str) -> dict:
     runs = [time_engine(engine, prompts, context=context, steps=STEPS) for _ in range(3)]
     _barrier("traced")
     step_us = min(t.decode_s / t.steps for t in runs) * 1e6
-    temp = [c.memory_analysis().temp_size_in_bytes for steps in getattr(engine, "_bench_compiled", {}).values()
-            for c in steps if hasattr(c, "memory_analysis")]
+    temp = [
+        c.memory_analysis().temp_size_in_bytes
+        for steps in getattr(engine, "_bench_compiled", {}).values()
+        for c in steps
+        if hasattr(c, "memory_analysis")
+    ]
     out_dir = os.path.join("/tmp/traces", variant.replace(":", "_"))
     events = traced_events(lambda: time_engine(engine, prompts, context=context, steps=STEPS), out_dir)
     gpu0 = min(gpu_pids(track_names(events)))
@@ -152,34 +176,54 @@ def measure(variant: str) -> dict:
     durations = defaultdict(list)
     for e in evs:
         durations[e["name"][:60]].append(e["dur"])
-    head = max(durations, key=lambda n: float(np.median(durations[n])) if STEPS <= len(durations[n]) <= 2 * STEPS + 4
-               else 0.0)
+    head = max(
+        durations, key=lambda n: float(np.median(durations[n])) if STEPS <= len(durations[n]) <= 2 * STEPS + 4 else 0.0
+    )
     starts = [i for i, n in enumerate(names) if n == head]
-    step = evs[starts[-2] + 1: starts[-1] + 1]
+    step = evs[starts[-2] + 1 : starts[-1] + 1]
     gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(step, step[1:])]
     inner = [g for g in gaps if g < 2.0]  # leave out the per-layer CUDA-graph boundaries (~4 µs)
-    row = dict(variant=variant, tp=tp, batch=batch, temp_bytes=temp, jax=jax.__version__,
-               xla_flags=os.environ.get("XLA_FLAGS", ""),
-               untraced_step_us=round(step_us, 1), all_step_us=[round(t.decode_s / t.steps * 1e6, 1) for t in runs],
-               step_kernel_us=round(sum(e["dur"] for e in step), 1), kernels_per_step=len(step),
-               step_top_kernels=_top_by_name(step),
-               median_inner_gap_us=round(float(np.median(inner)), 3), mean_inner_gap_us=round(float(np.mean(inner)), 3),
-               boundary_gaps=len(gaps) - len(inner),
-               boundary_gap_us=round(float(np.median([g for g in gaps if g >= 2.0] or [0.0])), 2),
-               layer=[[e["name"][:40], round(e["dur"], 2), round(g, 2)] for e, g in
-                      zip(step[len(step) // 2: len(step) // 2 + 20], gaps[len(step) // 2 - 1:])],
-               streams={str(tid): len(v) for tid, v in sorted(streams.items(), key=lambda kv: -len(kv[1]))},
-               other_stream_kernels=sorted({e["name"][:50] for tid, v in streams.items() if v is not max(
-                   streams.values(), key=len) for e in v})[:12])
+    row = dict(
+        variant=variant,
+        tp=tp,
+        batch=batch,
+        temp_bytes=temp,
+        jax=jax.__version__,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        untraced_step_us=round(step_us, 1),
+        all_step_us=[round(t.decode_s / t.steps * 1e6, 1) for t in runs],
+        step_kernel_us=round(sum(e["dur"] for e in step), 1),
+        kernels_per_step=len(step),
+        step_top_kernels=_top_by_name(step),
+        median_inner_gap_us=round(float(np.median(inner)), 3),
+        mean_inner_gap_us=round(float(np.mean(inner)), 3),
+        boundary_gaps=len(gaps) - len(inner),
+        boundary_gap_us=round(float(np.median([g for g in gaps if g >= 2.0] or [0.0])), 2),
+        layer=[
+            [e["name"][:40], round(e["dur"], 2), round(g, 2)]
+            for e, g in zip(step[len(step) // 2 : len(step) // 2 + 20], gaps[len(step) // 2 - 1 :])
+        ],
+        streams={str(tid): len(v) for tid, v in sorted(streams.items(), key=lambda kv: -len(kv[1]))},
+        other_stream_kernels=sorted(
+            {e["name"][:50] for tid, v in streams.items() if v is not max(streams.values(), key=len) for e in v}
+        )[:12],
+    )
     if os.environ.get("TP_GAP_DUMP"):  # every event of the process around one middle layer, for reading by eye
         mid = step[len(step) // 2]["ts"]
         window = [e for e in events if e.get("ph") == "X" and mid - 20 <= e.get("ts", 0) <= mid + 120]
         labels = track_names(events)
-        dump = [dict(track=labels.get((e["pid"], None), str(e["pid"])) + " / " + labels.get((e["pid"], e.get("tid")),
-                                                                                           str(e.get("tid"))),
-                     name=e["name"][:80], ts=round(e["ts"] - mid, 3), dur=round(e.get("dur", 0), 3),
-                     args={k: str(v)[:80] for k, v in (e.get("args") or {}).items()})
-                for e in sorted(window, key=lambda e: e["ts"])]
+        dump = [
+            dict(
+                track=labels.get((e["pid"], None), str(e["pid"]))
+                + " / "
+                + labels.get((e["pid"], e.get("tid")), str(e.get("tid"))),
+                name=e["name"][:80],
+                ts=round(e["ts"] - mid, 3),
+                dur=round(e.get("dur", 0), 3),
+                args={k: str(v)[:80] for k, v in (e.get("args") or {}).items()},
+            )
+            for e in sorted(window, key=lambda e: e["ts"])
+        ]
         with open(os.path.join(os.environ["TP_GAP_DUMP"], f"events_{variant.replace(':', '_')}.json"), "w") as fh:
             json.dump(dump, fh, indent=0)
     return row
@@ -202,6 +246,7 @@ def _barrier(name: str) -> None:
         return
     import glob
     import time
+
     open(os.path.join(folder, f"{name}.{os.getpid()}"), "w").close()
     deadline = time.time() + 600
     while len(glob.glob(os.path.join(folder, f"{name}.*"))) < int(os.environ["TP_GAP_PARTIES"]):
@@ -211,14 +256,21 @@ def _barrier(name: str) -> None:
 
 
 def _concurrent_rows(variant: str, env: dict) -> list[dict]:
-    """"BASE|N": BASE in N processes at once, process i on GPU i only; their rows, tagged /gpuI."""
+    """ "BASE|N": BASE in N processes at once, process i on GPU i only; their rows, tagged /gpuI."""
     import tempfile
+
     base, parties = variant.split("|")
     folder = tempfile.mkdtemp(prefix="tp_gap_barrier_")
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", base], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=dict(env, CUDA_VISIBLE_DEVICES=str(i), TP_GAP_BARRIER=folder,
-                                                               TP_GAP_PARTIES=parties))
-             for i in range(int(parties))]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--child", base],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(env, CUDA_VISIBLE_DEVICES=str(i), TP_GAP_BARRIER=folder, TP_GAP_PARTIES=parties),
+        )
+        for i in range(int(parties))
+    ]
     rows = []
     for i, proc in enumerate(procs):
         row = _child_row(f"{variant} on GPU {i}", *proc.communicate(), proc.returncode)
@@ -247,8 +299,11 @@ def main() -> int:
     if "--child" in sys.argv:
         print("ROW " + json.dumps(measure(sys.argv[sys.argv.index("--child") + 1])), flush=True)
         return 0
-    variants = (sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv
-                else ["tp2", "tp2:SERIALIZE", "tp2:CONCURRENT", "tp1", "tp1:SERIALIZE"])
+    variants = (
+        sys.argv[sys.argv.index("--variants") + 1].split(",")
+        if "--variants" in sys.argv
+        else ["tp2", "tp2:SERIALIZE", "tp2:CONCURRENT", "tp1", "tp1:SERIALIZE"]
+    )
     out = os.path.join(os.environ.get("OUT", "."), "tp_gap_ab_gpu.jsonl")
     for variant in variants:
         env = dict(os.environ)
@@ -256,8 +311,9 @@ def main() -> int:
             dump = os.path.join("/tmp/hlo", variant.replace("@", "_"))
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text").strip()
         if ":" in variant:
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                                f" --xla_gpu_command_buffer_scheduling_mode={variant.split(':')[1]}").strip()
+            env["XLA_FLAGS"] = (
+                env.get("XLA_FLAGS", "") + f" --xla_gpu_command_buffer_scheduling_mode={variant.split(':')[1]}"
+            ).strip()
         if "|" in variant:
             for row in _concurrent_rows(variant, env):
                 _emit(row, out)
@@ -270,10 +326,13 @@ def main() -> int:
         if "--hlo" in sys.argv and ":" not in variant:  # the decode chunk: the largest optimized module
             import glob
             import shutil
+
             files = glob.glob(os.path.join(dump, "*chunk*after_optimizations.txt"))
             if files:
-                shutil.copy(max(files, key=os.path.getsize),
-                            os.path.join(os.environ.get("OUT", "."), f"hlo_{variant.replace('@', '_')}.txt"))
+                shutil.copy(
+                    max(files, key=os.path.getsize),
+                    os.path.join(os.environ.get("OUT", "."), f"hlo_{variant.replace('@', '_')}.txt"),
+                )
     return 0
 
 

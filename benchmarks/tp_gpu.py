@@ -28,8 +28,9 @@ DRY = "--dry-run" in sys.argv
 if DRY:  # before JAX starts: CPU with 2 fake devices (or as many as an importer, tp_scaling.py, already asked for)
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_force_host_platform_device_count=2").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+        ).strip()
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # the 70B shards need ~72 GB of 141 per GPU
 
@@ -62,8 +63,10 @@ def allreduce_us(dim: int, batch: int, n: int = 100, devices: int = 2, compiler_
             x = jax.lax.psum(x, AXIS) * 0.5 + bump  # [B, D]
         return x
 
-    fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False),
-                 compiler_options=compiler_options)
+    fn = jax.jit(
+        jax.shard_map(chain, mesh=mesh, in_specs=P(), out_specs=P(AXIS), check_vma=False),
+        compiler_options=compiler_options,
+    )
     return best_wall_s(fn, jnp.ones((batch, dim), jnp.bfloat16)) / n * 1e6
 
 
@@ -85,11 +88,18 @@ def row(name: str, cfg, engine: Engine, batch: int, context: int, ceiling: float
     itemsize = jnp.dtype(engine.cache_dtype).itemsize
     moved = decode_cost(cfg, batch=batch, context=context + PROMPT + STEPS // 2, itemsize=itemsize).bytes
     plan = engine._tp if engine._tp is not None else engine._plan
-    return {"model": name, "tp": engine.tp, "batch": batch, "context": context,
-            "loop_mode": plan.mode if plan is not None and engine.loop_layers else "unrolled",
-            "first_call_s": round(timing.first_call_s, 2), "ms_per_token": round(step_s * 1e3, 3),
-            "tok_s": round(batch / step_s, 1), "gb_s": round(moved / step_s / 1e9, 1),
-            "pct_roofline": round(100 * moved / step_s / 1e9 / (ceiling * engine.tp), 1)}, timing.tokens
+    return {
+        "model": name,
+        "tp": engine.tp,
+        "batch": batch,
+        "context": context,
+        "loop_mode": plan.mode if plan is not None and engine.loop_layers else "unrolled",
+        "first_call_s": round(timing.first_call_s, 2),
+        "ms_per_token": round(step_s * 1e3, 3),
+        "tok_s": round(batch / step_s, 1),
+        "gb_s": round(moved / step_s / 1e9, 1),
+        "pct_roofline": round(100 * moved / step_s / 1e9 / (ceiling * engine.tp), 1),
+    }, timing.tokens
 
 
 def main() -> int:
@@ -100,17 +110,25 @@ def main() -> int:
     args = parser.parse_args()
     t0 = time.perf_counter()
     if len(jax.devices()) < 2:
-        print(f"tp_gpu: error: needs 2 devices, JAX sees {len(jax.devices())} ({jax.default_backend()})",
-              file=sys.stderr)
+        print(
+            f"tp_gpu: error: needs 2 devices, JAX sees {len(jax.devices())} ({jax.default_backend()})", file=sys.stderr
+        )
         return 2
     small, large = ("tiny-gqa", "tiny-mha") if args.dry_run else ("llama-3.1-8b", "llama-3.1-70b")
     context = 16 if args.dry_run else 1024
     batches = [int(b) for b in args.batches.split(",")]
     dtype = default_dtype()
     ceiling = read_ceiling_gb_s(0.25 if args.dry_run else 4)
-    out = {"device": device_name(), "devices": len(jax.devices()), "backend": jax.default_backend(),
-           "read_ceiling_gb_s_per_device": round(ceiling, 1), "date": time.strftime("%Y-%m-%d"),
-           "rows": [], "allreduce": [], "errors": []}
+    out = {
+        "device": device_name(),
+        "devices": len(jax.devices()),
+        "backend": jax.default_backend(),
+        "read_ceiling_gb_s_per_device": round(ceiling, 1),
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [],
+        "allreduce": [],
+        "errors": [],
+    }
     print(f"{out['device']} x{out['devices']}: read ceiling {ceiling:.0f} GB/s per device", file=sys.stderr)
 
     cfg = get_preset(small)
@@ -147,7 +165,9 @@ def main() -> int:
         if r["tp"] == 2 and (1, r["batch"]) in tokens:
             one = next(x for x in out["rows"] if x["tp"] == 1 and x["batch"] == r["batch"])
             r["speedup_vs_tp1"] = round(one["ms_per_token"] / r["ms_per_token"], 2)
-            r["tokens_agree_of_16"] = tokens_agree(tokens[(2, r["batch"])][:, :AGREE], tokens[(1, r["batch"])][:, :AGREE])
+            r["tokens_agree_of_16"] = tokens_agree(
+                tokens[(2, r["batch"])][:, :AGREE], tokens[(1, r["batch"])][:, :AGREE]
+            )
     del model, logits, tokens
     gc.collect()
 
@@ -155,8 +175,15 @@ def main() -> int:
     cfg = get_preset(large)
     cache_len = -(-(context + PROMPT + STEPS) // 64) * 64
     try:
-        est = preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, batch=max(batches), context=cache_len, looped=False,
-                        tp=2, available=device_memory_bytes())
+        est = preflight(
+            cfg,
+            itemsize=jnp.dtype(dtype).itemsize,
+            batch=max(batches),
+            context=cache_len,
+            looped=False,
+            tp=2,
+            available=device_memory_bytes(),
+        )
         print(f"{large} on 2: preflight {est.describe()} per device", file=sys.stderr)
         if time.perf_counter() - t0 > args.budget_s - 120:
             raise TimeoutError(f"skipped: {time.perf_counter() - t0:.0f} s used of the {args.budget_s:.0f} s budget")
@@ -175,12 +202,16 @@ def main() -> int:
     engine = None
     out["wall_s"] = round(time.perf_counter() - t0, 1)
 
-    print(f"\n{'model':16} {'tp':>2} {'B':>3} {'mode':>8} {'ms/tok':>8} {'tok/s':>8} {'GB/s':>7} {'%roof':>6} "
-          f"{'xTP1':>5} {'agree':>5}")
+    print(
+        f"\n{'model':16} {'tp':>2} {'B':>3} {'mode':>8} {'ms/tok':>8} {'tok/s':>8} {'GB/s':>7} {'%roof':>6} "
+        f"{'xTP1':>5} {'agree':>5}"
+    )
     for r in out["rows"]:
-        print(f"{r['model']:16} {r['tp']:>2} {r['batch']:>3} {r['loop_mode']:>8} {r['ms_per_token']:>8.2f} "
-              f"{r['tok_s']:>8.1f} {r['gb_s']:>7.0f} {r['pct_roofline']:>6.1f} {r.get('speedup_vs_tp1', ''):>5} "
-              f"{r.get('tokens_agree_of_16', ''):>5}")
+        print(
+            f"{r['model']:16} {r['tp']:>2} {r['batch']:>3} {r['loop_mode']:>8} {r['ms_per_token']:>8.2f} "
+            f"{r['tok_s']:>8.1f} {r['gb_s']:>7.0f} {r['pct_roofline']:>6.1f} {r.get('speedup_vs_tp1', ''):>5} "
+            f"{r.get('tokens_agree_of_16', ''):>5}"
+        )
     for a in out["allreduce"]:
         print(f"psum [{a['batch']}, {a['dim']}] bf16 over 2 devices: {a['us_per_psum']:.1f} us")
     if "max_logit_diff_tp2_vs_tp1" in out:

@@ -32,7 +32,7 @@ from jaxdecode.model import init_random  # noqa: E402
 from jaxdecode.tp import TPForward  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_trace import gpu_pids, track_names, traced_events  # noqa: E402
+from gpu_trace import gpu_pids, traced_events, track_names  # noqa: E402
 
 STEPS = 32
 
@@ -43,8 +43,9 @@ def profile_one(model, allreduce: str, out_dir: str) -> dict:
     time_engine(engine, prompts, context=1024, steps=STEPS)  # compiles
     runs = [time_engine(engine, prompts, context=1024, steps=64) for _ in range(3)]
     step_us = min(t.decode_s / t.steps for t in runs) * 1e6
-    events = traced_events(lambda: time_engine(engine, prompts, context=1024, steps=STEPS),
-                           os.path.join(out_dir, f"trace_{allreduce}"))
+    events = traced_events(
+        lambda: time_engine(engine, prompts, context=1024, steps=STEPS), os.path.join(out_dir, f"trace_{allreduce}")
+    )
     names = track_names(events)
     gpu0 = min(gpu_pids(names))
     streams = defaultdict(list)
@@ -59,23 +60,35 @@ def profile_one(model, allreduce: str, out_dir: str) -> dict:
     # launches of the LM head's GEMM (the largest kernel that runs once per step)
     head = max(per, key=lambda n: float(np.median(per[n])) if STEPS <= len(per[n]) <= 2 * STEPS + 4 else 0.0)
     starts = [i for i, e in enumerate(evs) if e["name"][:70] == head]
-    last = evs[starts[-2] + 1: starts[-1] + 1]  # one whole step, LM head to LM head
+    last = evs[starts[-2] + 1 : starts[-1] + 1]  # one whole step, LM head to LM head
     busy = sum(e["dur"] for e in last)
     span = last[-1]["ts"] + last[-1]["dur"] - (evs[starts[-2]]["ts"] + evs[starts[-2]]["dur"])
     seq, prev_end = [], evs[starts[-2]]["ts"] + evs[starts[-2]]["dur"]
     for e in last:
         seq.append([e["name"][:50], round(e["dur"], 2), round(e["ts"] - prev_end, 2)])
         prev_end = e["ts"] + e["dur"]
-    kernels = sorted(([n, len(d), round(float(np.median(d)), 2), round(sum(d) / 1e3, 2)] for n, d in per.items()),
-                     key=lambda r: -r[3])
-    result = {"allreduce": allreduce, "untraced_step_us": round(step_us, 1), "traced_step_span_us": round(span, 1),
-              "traced_step_kernel_us": round(busy, 1), "kernels_per_step": len(last), "lm_head_kernel": head,
-              "kernels": kernels[:30], "step_sequence": seq}
-    print(f"\n== {allreduce}: untraced {step_us:.1f} us/step; traced step {span:.1f} us, kernels {busy:.1f} us "
-          f"({len(last)} kernels) ==", flush=True)
+    kernels = sorted(
+        ([n, len(d), round(float(np.median(d)), 2), round(sum(d) / 1e3, 2)] for n, d in per.items()),
+        key=lambda r: -r[3],
+    )
+    result = {
+        "allreduce": allreduce,
+        "untraced_step_us": round(step_us, 1),
+        "traced_step_span_us": round(span, 1),
+        "traced_step_kernel_us": round(busy, 1),
+        "kernels_per_step": len(last),
+        "lm_head_kernel": head,
+        "kernels": kernels[:30],
+        "step_sequence": seq,
+    }
+    print(
+        f"\n== {allreduce}: untraced {step_us:.1f} us/step; traced step {span:.1f} us, kernels {busy:.1f} us "
+        f"({len(last)} kernels) ==",
+        flush=True,
+    )
     for n, c, med, tot in kernels[:22]:
         print(f"  {n:60s} {c:6d} x {med:7.2f} us = {tot:8.2f} ms", flush=True)
-    layer = seq[len(seq) // 2: len(seq) // 2 + 40]
+    layer = seq[len(seq) // 2 : len(seq) // 2 + 40]
     print("  one stretch of the step (name, us, idle before):", flush=True)
     for n, d, gap in layer:
         print(f"    {n:50s} {d:7.2f} {gap:6.2f}", flush=True)
@@ -84,8 +97,12 @@ def profile_one(model, allreduce: str, out_dir: str) -> dict:
 
 def main() -> int:
     out_dir = os.environ.get("OUT", "/tmp")
-    out = {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "jax": jax.__version__,
-           "profiles": []}
+    out = {
+        "device": jax.devices()[0].device_kind,
+        "devices": len(jax.devices()),
+        "jax": jax.__version__,
+        "profiles": [],
+    }
     model = init_random(get_preset("llama-3.1-8b"), seed=0, dtype=jnp.bfloat16)
     impls = sys.argv[sys.argv.index("--allreduce") + 1].split(",") if "--allreduce" in sys.argv else ["kernel", "psum"]
     for impl in impls:

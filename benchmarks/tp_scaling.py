@@ -45,11 +45,10 @@ if DRY:  # before JAX starts (and before tp_gpu, which keeps a device count alre
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tp_gpu  # noqa: E402  (sets NCCL_NVLS_ENABLE=0 and the memory fraction before JAX starts)
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import tp_gpu  # noqa: E402  (sets NCCL_NVLS_ENABLE=0 and the memory fraction before JAX starts)
 
 from jaxdecode.bench import read_ceiling_gb_s  # noqa: E402
 from jaxdecode.bench_report import device_name  # noqa: E402
@@ -66,9 +65,13 @@ DRY_MODELS = {
     "tiny-tp8": ModelConfig("tiny-tp8", 97, 64, 2, 8, 8, 128, max_seq_len=256),  # MHA, like 8B's K = 8
     "tiny-tp8-gqa": ModelConfig("tiny-tp8-gqa", 97, 128, 3, 16, 8, 256, max_seq_len=256),  # GQA 2:1
 }
-PAPER = {"source": "Kernel Looping (arXiv 2410.23668) / papers.md §1.1, §1.8: DGX H100, TensorRT-LLM, "
-                   "Llama-3.1-8B, TP 8, batch 1, 4K context",
-         "tok_s": 300.0, "pct_of_24_tb_s": 21.0, "speedup_1_to_8": 1.42}
+PAPER = {
+    "source": "Kernel Looping (arXiv 2410.23668) / papers.md §1.1, §1.8: DGX H100, TensorRT-LLM, "
+    "Llama-3.1-8B, TP 8, batch 1, 4K context",
+    "tok_s": 300.0,
+    "pct_of_24_tb_s": 21.0,
+    "speedup_1_to_8": 1.42,
+}
 RDU_MODES = ("xla", "looped_inplace")
 
 
@@ -87,8 +90,9 @@ def rdu_ms(cfg: ModelConfig, batch: int, ctx: int, tp: int, mode: str, gpu_name:
     from rdu.trace import trace_decode_step
 
     g = trace_decode_step(cfg, batch, ctx, looped=False)
-    return gpu_estimate(g, gpu(gpu_name, "fitted"), batch=batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode,
-                        n_gpus=tp).ms_per_token
+    return gpu_estimate(
+        g, gpu(gpu_name, "fitted"), batch=batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode, n_gpus=tp
+    ).ms_per_token
 
 
 def build_engine(cfg: ModelConfig, tp: int, mode: str, dtype) -> Engine:
@@ -97,15 +101,17 @@ def build_engine(cfg: ModelConfig, tp: int, mode: str, dtype) -> Engine:
     return Engine(None, tp=TPForward.random(cfg, tp, dtype=dtype, loop_mode=mode))
 
 
-def skip_reason(cfg: ModelConfig, tp: int, devices: int, *, itemsize: int, batch: int, cache_len: int,
-                available: int) -> str | None:
+def skip_reason(
+    cfg: ModelConfig, tp: int, devices: int, *, itemsize: int, batch: int, cache_len: int, available: int
+) -> str | None:
     """Why (cfg, tp) cannot run here, or None."""
     if tp > devices:
         return f"tp {tp} > {devices} visible devices"
     try:
         shard_config(cfg, tp)
-        est = preflight(cfg, itemsize=itemsize, batch=batch, context=cache_len, looped=tp == 1, tp=tp,
-                        available=available)
+        est = preflight(
+            cfg, itemsize=itemsize, batch=batch, context=cache_len, looped=tp == 1, tp=tp, available=available
+        )
     except ValueError as e:
         return str(e)
     print(f"{cfg.name} tp{tp}: preflight {est.describe()} per device", file=sys.stderr)
@@ -126,30 +132,44 @@ def summary(out: dict) -> list[str]:
     rows = out["rows"]
     first = out["models"][0]
     mine = {r["tp"]: r for r in rows if r["model"] == first and r["batch"] == 1}
-    lines = [f"paper (DGX H100, TensorRT-LLM, Llama-3.1-8B, TP 8, batch 1, 4K): {PAPER['tok_s']:.0f} tok/s, "
-             f"{PAPER['pct_of_24_tb_s']:.0f}% of 24 TB/s, {PAPER['speedup_1_to_8']:.2f}x from 1 to 8 GPUs"]
+    lines = [
+        f"paper (DGX H100, TensorRT-LLM, Llama-3.1-8B, TP 8, batch 1, 4K): {PAPER['tok_s']:.0f} tok/s, "
+        f"{PAPER['pct_of_24_tb_s']:.0f}% of 24 TB/s, {PAPER['speedup_1_to_8']:.2f}x from 1 to 8 GPUs"
+    ]
     if 8 in mine:
         r8 = mine[8]
         sp = f"{r8['tok_s'] / mine[1]['tok_s']:.2f}x from 1 to 8" if 1 in mine else "TP 1 not measured"
         ceil8, peak8 = 8 * out["read_ceiling_gb_s_per_device"] / 1e3, 8 * out["spec_peak_tb_s_per_device"]
-        lines.append(f"ours ({out['device']}, {first}, TP 8, batch 1, ctx {out['context']}): {r8['tok_s']:.0f} tok/s, "
-                     f"{r8['pct_roofline']:.1f}% of 8x the measured read ceiling ({ceil8:.1f} TB/s), "
-                     f"{r8['pct_spec_peak']:.1f}% of 8x the spec peak ({peak8:.1f} TB/s), {sp}; "
-                     f"all-reduce {r8['allreduce_ms_per_token']:.2f} ms of {r8['ms_per_token']:.2f} ms/token")
-        out["paper_comparison"] = {"paper": PAPER, "ours": {"model": first, "tok_s": r8["tok_s"],
-                                                            "pct_roofline": r8["pct_roofline"],
-                                                            "pct_spec_peak": r8["pct_spec_peak"],
-                                                            "speedup_1_to_8": (round(r8["tok_s"] / mine[1]["tok_s"], 3)
-                                                                               if 1 in mine else None)}}
+        lines.append(
+            f"ours ({out['device']}, {first}, TP 8, batch 1, ctx {out['context']}): {r8['tok_s']:.0f} tok/s, "
+            f"{r8['pct_roofline']:.1f}% of 8x the measured read ceiling ({ceil8:.1f} TB/s), "
+            f"{r8['pct_spec_peak']:.1f}% of 8x the spec peak ({peak8:.1f} TB/s), {sp}; "
+            f"all-reduce {r8['allreduce_ms_per_token']:.2f} ms of {r8['ms_per_token']:.2f} ms/token"
+        )
+        out["paper_comparison"] = {
+            "paper": PAPER,
+            "ours": {
+                "model": first,
+                "tok_s": r8["tok_s"],
+                "pct_roofline": r8["pct_roofline"],
+                "pct_spec_peak": r8["pct_spec_peak"],
+                "speedup_1_to_8": (round(r8["tok_s"] / mine[1]["tok_s"], 3) if 1 in mine else None),
+            },
+        }
     else:
         lines.append(f"ours: TP 8 of {first} at batch 1 not measured here, nothing to set beside it")
     for model in out["models"]:
         for b in out["batches"]:
             rs = sorted((r for r in rows if r["model"] == model and r["batch"] == b), key=lambda r: r["tp"])
             if len(rs) > 1:
-                lines.append(f"{model} batch {b}: " + ", ".join(
-                    f"TP{r['tp']} {r['tok_s']:.0f} tok/s (x{r['speedup_vs_base']:.2f}, eff {r['scaling_eff']:.2f})"
-                    for r in rs) + f"  [vs TP{rs[0]['tp']}]")
+                lines.append(
+                    f"{model} batch {b}: "
+                    + ", ".join(
+                        f"TP{r['tp']} {r['tok_s']:.0f} tok/s (x{r['speedup_vs_base']:.2f}, eff {r['scaling_eff']:.2f})"
+                        for r in rs
+                    )
+                    + f"  [vs TP{rs[0]['tp']}]"
+                )
     if "dry" in out["backend_note"]:
         lines.append("dry run: CPU with fake devices; times show that the path runs, not GPU speeds")
     return lines
@@ -159,13 +179,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny configs, 8 fake devices")
     parser.add_argument("--tp", default="1,2,4,8")
-    parser.add_argument("--models", default=None, help="default: llama-3.1-8b,llama-3.1-70b (dry run: "
-                        f"{','.join(DRY_MODELS)})")
+    parser.add_argument(
+        "--models", default=None, help=f"default: llama-3.1-8b,llama-3.1-70b (dry run: {','.join(DRY_MODELS)})"
+    )
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--context", type=int, default=None, help="cached tokens before the prompt "
-                        "(default 4096; dry run 32)")
-    parser.add_argument("--memory-gb", type=float, default=None, help="per-device memory for the preflight "
-                        "(default: what the device reports)")
+    parser.add_argument(
+        "--context", type=int, default=None, help="cached tokens before the prompt (default 4096; dry run 32)"
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="per-device memory for the preflight (default: what the device reports)",
+    )
     parser.add_argument("--psum-chain", type=int, default=None, help="psums per all-reduce timing (100; dry run 20)")
     parser.add_argument("--rdu-gpu", default=None, help="rdu GPU spec: h200 or h100 (default: from the device name)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip the configurations left past this")
@@ -188,21 +214,38 @@ def main() -> int:
 
     spec_peak = gpu(rdu_gpu, "fitted").hbm_bw / 1e12  # TB/s per device
     ceiling = read_ceiling_gb_s(0.25 if args.dry_run else 4)
-    out = {"device": dev, "devices": devices, "backend": jax.default_backend(),
-           "backend_note": "dry run (CPU, fake devices)" if args.dry_run else jax.default_backend(),
-           "read_ceiling_gb_s_per_device": round(ceiling, 1), "spec_peak_tb_s_per_device": spec_peak,
-           "rdu_gpu": rdu_gpu, "rdu_constants": "fitted", "date": time.strftime("%Y-%m-%d"),
-           "models": models, "tps": tps, "batches": batches, "context": context, "cache_len": cache_len,
-           "prompt": tp_gpu.PROMPT, "steps": tp_gpu.STEPS, "psum_chain": chain,
-           "rows": [], "allreduce": [], "skipped": [], "errors": []}
+    out = {
+        "device": dev,
+        "devices": devices,
+        "backend": jax.default_backend(),
+        "backend_note": "dry run (CPU, fake devices)" if args.dry_run else jax.default_backend(),
+        "read_ceiling_gb_s_per_device": round(ceiling, 1),
+        "spec_peak_tb_s_per_device": spec_peak,
+        "rdu_gpu": rdu_gpu,
+        "rdu_constants": "fitted",
+        "date": time.strftime("%Y-%m-%d"),
+        "models": models,
+        "tps": tps,
+        "batches": batches,
+        "context": context,
+        "cache_len": cache_len,
+        "prompt": tp_gpu.PROMPT,
+        "steps": tp_gpu.STEPS,
+        "psum_chain": chain,
+        "rows": [],
+        "allreduce": [],
+        "skipped": [],
+        "errors": [],
+    }
     print(f"{dev} x{devices}: read ceiling {ceiling:.0f} GB/s per device", file=sys.stderr)
     modes = list(dict.fromkeys([default_loop_mode(), "slice"]))  # on an error, fall back to the sliced scan
 
     for name in models:
         cfg = model_config(name)
         for tp in tps:
-            why = skip_reason(cfg, tp, devices, itemsize=itemsize, batch=max(batches), cache_len=cache_len,
-                              available=available)
+            why = skip_reason(
+                cfg, tp, devices, itemsize=itemsize, batch=max(batches), cache_len=cache_len, available=available
+            )
             if why is None and time.perf_counter() - t0 > args.budget_s:
                 why = f"past the budget: {time.perf_counter() - t0:.0f} s used of {args.budget_s:.0f} s"
             if why is not None:
@@ -215,11 +258,15 @@ def main() -> int:
                 done = [a for a in out["allreduce"] if (a["dim"], a["batch"], a["tp"]) == key]
                 if tp > 1 and not done:
                     us = tp_gpu.allreduce_us(cfg.dim, b, n=chain, devices=tp)
-                    out["allreduce"].append({"tp": tp, "batch": b, "dim": cfg.dim, "dtype": "bfloat16",
-                                             "us_per_psum": round(us, 2)})
+                    out["allreduce"].append(
+                        {"tp": tp, "batch": b, "dim": cfg.dim, "dtype": "bfloat16", "us_per_psum": round(us, 2)}
+                    )
                     print(f"psum [{b}, {cfg.dim}] bf16 over {tp}: {us:.1f} us", file=sys.stderr)
-                psum[b] = 0.0 if tp == 1 else next(a["us_per_psum"] for a in out["allreduce"]
-                                                   if (a["dim"], a["batch"], a["tp"]) == key)
+                psum[b] = (
+                    0.0
+                    if tp == 1
+                    else next(a["us_per_psum"] for a in out["allreduce"] if (a["dim"], a["batch"], a["tp"]) == key)
+                )
             engine = None
             for mode in modes:
                 try:
@@ -229,16 +276,22 @@ def main() -> int:
                     made_s = time.perf_counter() - start
                     for b in batches:
                         r, _ = tp_gpu.row(name, cfg, engine, b, context, ceiling, np.random.default_rng(b))
-                        moved = decode_cost(cfg, batch=b, context=context + tp_gpu.PROMPT + tp_gpu.STEPS // 2,
-                                            itemsize=itemsize).bytes
+                        moved = decode_cost(
+                            cfg, batch=b, context=context + tp_gpu.PROMPT + tp_gpu.STEPS // 2, itemsize=itemsize
+                        ).bytes
                         step_s = r["ms_per_token"] / 1e3
                         n_psums = 2 * cfg.n_layers + 1
                         ar_ms = psum[b] * n_psums / 1e3
-                        r.update({"weights_s": round(made_s, 1),
-                                  "pct_spec_peak": round(100 * moved / step_s / (spec_peak * 1e12 * tp), 1),
-                                  "allreduce_us_per_psum": psum[b], "psums_per_token": n_psums if tp > 1 else 0,
-                                  "allreduce_ms_per_token": round(ar_ms, 3),
-                                  "allreduce_pct_of_step": round(100 * ar_ms / r["ms_per_token"], 1)})
+                        r.update(
+                            {
+                                "weights_s": round(made_s, 1),
+                                "pct_spec_peak": round(100 * moved / step_s / (spec_peak * 1e12 * tp), 1),
+                                "allreduce_us_per_psum": psum[b],
+                                "psums_per_token": n_psums if tp > 1 else 0,
+                                "allreduce_ms_per_token": round(ar_ms, 3),
+                                "allreduce_pct_of_step": round(100 * ar_ms / r["ms_per_token"], 1),
+                            }
+                        )
                         out["rows"].append(r)
                         print(r, file=sys.stderr)
                     break
@@ -279,24 +332,38 @@ def main() -> int:
     else:
         print(text)
 
-    print(f"\n{out['device']} x{devices} ({out['backend_note']}), ctx {context}, read ceiling "
-          f"{ceiling:.0f} GB/s per device; rdu: {rdu_gpu}, fitted constants")
-    print(f"{'model':14} {'tp':>2} {'B':>2} {'mode':>7} {'ms/tok':>8} {'tok/s':>8} {'GB/s':>7} {'%roof':>6} "
-          f"{'xbase':>5} {'eff':>5} {'AR us':>6} {'AR ms':>6} {'AR%':>5} {'rdu xla':>8} {'Δ%':>6} "
-          f"{'rdu inpl':>8} {'Δ%':>6}")
+    print(
+        f"\n{out['device']} x{devices} ({out['backend_note']}), ctx {context}, read ceiling "
+        f"{ceiling:.0f} GB/s per device; rdu: {rdu_gpu}, fitted constants"
+    )
+    print(
+        f"{'model':14} {'tp':>2} {'B':>2} {'mode':>7} {'ms/tok':>8} {'tok/s':>8} {'GB/s':>7} {'%roof':>6} "
+        f"{'xbase':>5} {'eff':>5} {'AR us':>6} {'AR ms':>6} {'AR%':>5} {'rdu xla':>8} {'Δ%':>6} "
+        f"{'rdu inpl':>8} {'Δ%':>6}"
+    )
     for r in out["rows"]:
-        print(f"{r['model'][:14]:14} {r['tp']:>2} {r['batch']:>2} {r['loop_mode'][:7]:>7} {r['ms_per_token']:>8.3f} "
-              f"{r['tok_s']:>8.1f} {r['gb_s']:>7.0f} {r['pct_roofline']:>6.1f} {r['speedup_vs_base']:>5.2f} "
-              f"{r['scaling_eff']:>5.2f} {r['allreduce_us_per_psum']:>6.1f} {r['allreduce_ms_per_token']:>6.2f} "
-              f"{r['allreduce_pct_of_step']:>5.1f} {r.get('rdu_xla_ms', float('nan')):>8.3f} "
-              f"{r.get('rdu_xla_delta_pct', float('nan')):>+6.1f} {r.get('rdu_looped_inplace_ms', float('nan')):>8.3f} "
-              f"{r.get('rdu_looped_inplace_delta_pct', float('nan')):>+6.1f}")
+        print(
+            f"{r['model'][:14]:14} {r['tp']:>2} {r['batch']:>2} {r['loop_mode'][:7]:>7} {r['ms_per_token']:>8.3f} "
+            f"{r['tok_s']:>8.1f} {r['gb_s']:>7.0f} {r['pct_roofline']:>6.1f} {r['speedup_vs_base']:>5.2f} "
+            f"{r['scaling_eff']:>5.2f} {r['allreduce_us_per_psum']:>6.1f} {r['allreduce_ms_per_token']:>6.2f} "
+            f"{r['allreduce_pct_of_step']:>5.1f} {r.get('rdu_xla_ms', float('nan')):>8.3f} "
+            f"{r.get('rdu_xla_delta_pct', float('nan')):>+6.1f} {r.get('rdu_looped_inplace_ms', float('nan')):>8.3f} "
+            f"{r.get('rdu_looped_inplace_delta_pct', float('nan')):>+6.1f}"
+        )
     m = out["rdu_mape_pct"]
     if m:
-        print("rdu vs measured: " + "; ".join(f"{mode} MAPE {m[mode]:.1f}% (max {m[mode + '_max_abs']:.1f}%, "
-                                               f"{m[mode + '_rows']} rows)" for mode in RDU_MODES if mode in m))
-    print("xbase / eff: speedup and scaling efficiency vs the smallest measured tp of the model and batch; "
-          "AR: us per psum of [B, D] bf16, x (2L+1) per token")
+        print(
+            "rdu vs measured: "
+            + "; ".join(
+                f"{mode} MAPE {m[mode]:.1f}% (max {m[mode + '_max_abs']:.1f}%, {m[mode + '_rows']} rows)"
+                for mode in RDU_MODES
+                if mode in m
+            )
+        )
+    print(
+        "xbase / eff: speedup and scaling efficiency vs the smallest measured tp of the model and batch; "
+        "AR: us per psum of [B, D] bf16, x (2L+1) per token"
+    )
     for s in out["skipped"]:
         print(f"skipped {s['model']} tp{s['tp']}: {s['reason'][:300]}")
     for e in out["errors"]:

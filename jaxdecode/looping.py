@@ -72,9 +72,8 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jaxdecode.looping_eval import (Packed, PackLayout, _Analysis, _as_stack, _Interpreter, _materialize,
-                                    _stack_spec)
 from jaxdecode.inplace import StackedCall, StackedDot, StackedRef
+from jaxdecode.looping_eval import Packed, PackLayout, _Analysis, _as_stack, _Interpreter, _materialize, _stack_spec
 from jaxdecode.looping_find import Run, callee_of, side_effects
 from jaxdecode.looping_report import InputReport, LoopReport, RunReport, aval_str
 
@@ -90,14 +89,17 @@ def layer(fn: Callable | None = None, *, static_argnums=(), static_argnames=()):
     return jax.jit(fn, static_argnums=static_argnums, static_argnames=static_argnames)
 
 
-
-
 def _peel(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """Look through jit calls that wrap the whole function (`kernel_loop(jax.jit(step), ...)`)."""
-    while (len(jaxpr.eqns) == 1 and not jaxpr.consts and jaxpr.eqns[0].primitive.name in ("jit", "pjit")
-           and callee_of(jaxpr.eqns[0]) is not None and not side_effects(jaxpr.eqns[0])
-           and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
-           and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)):
+    while (
+        len(jaxpr.eqns) == 1
+        and not jaxpr.consts
+        and jaxpr.eqns[0].primitive.name in ("jit", "pjit")
+        and callee_of(jaxpr.eqns[0]) is not None
+        and not side_effects(jaxpr.eqns[0])
+        and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
+        and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)
+    ):
         jaxpr = jaxpr.eqns[0].params["jaxpr"]
     return jaxpr
 
@@ -116,10 +118,16 @@ class LoopPlan:
       packed_outputs: out_index -> argnum whose layout that output subtree is packed with.
     """
 
-    def __init__(self, fn: Callable, args: tuple, index_mode: str,
-                 packed_argnums: tuple[int, ...] | None, packed_outputs: Mapping[int, int],
-                 stacked_dot: StackedDot | None = None,
-                 stacked_calls: Mapping[str, StackedCall] | None = None):
+    def __init__(
+        self,
+        fn: Callable,
+        args: tuple,
+        index_mode: str,
+        packed_argnums: tuple[int, ...] | None,
+        packed_outputs: Mapping[int, int],
+        stacked_dot: StackedDot | None = None,
+        stacked_calls: Mapping[str, StackedCall] | None = None,
+    ):
         if index_mode not in INDEX_MODES:
             raise ValueError(f"index_mode must be one of {INDEX_MODES}, got {index_mode!r}")
         if stacked_dot is not None and index_mode != "whole":
@@ -134,8 +142,7 @@ class LoopPlan:
         self._analysis = _Analysis()
         self._analysis.analyze(self._root, getattr(fn, "__name__", "fn"))
         self._interp = _Interpreter(self._analysis, index_mode, stacked_dot, stacked_calls)
-        self._specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-                       for a in self._root.in_avals]
+        self._specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self._root.in_avals]
         offsets = [0]
         for tree in self._arg_trees:
             offsets.append(offsets[-1] + tree.num_leaves)
@@ -143,8 +150,9 @@ class LoopPlan:
         self.layouts = self._plan_packing(packed_argnums)
         self.packed_outputs = dict(packed_outputs)
         notes = self._check_packed_outputs()
-        self.report = LoopReport([self._run_report(r, w) for r, w in self._analysis.runs()],
-                                 list(self._analysis.skips), index_mode, notes)
+        self.report = LoopReport(
+            [self._run_report(r, w) for r, w in self._analysis.runs()], list(self._analysis.skips), index_mode, notes
+        )
 
     # --- packing -----------------------------------------------------------------------------------
     def _arg_of(self, leaf: int) -> tuple[int, int]:
@@ -166,8 +174,7 @@ class LoopPlan:
                     continue
                 where = [self._arg_of(i) for i in leaves]
                 argnum = where[0][0]
-                if any(a != argnum for a, _ in where) or (
-                    packed_argnums is not None and argnum not in packed_argnums):
+                if any(a != argnum for a, _ in where) or (packed_argnums is not None and argnum not in packed_argnums):
                     continue
                 groups.setdefault(argnum, []).append(tuple(i for _, i in where))
                 used.update(leaves)
@@ -188,8 +195,11 @@ class LoopPlan:
         return offsets
 
     def _check_packed_outputs(self) -> list[str]:
-        notes = [f"argument {a}: {len(l.groups)} stack(s) of {len(l.groups[0])} leaves packed, "
-                 f"{len(l.rest)} leaves passed through" for a, l in self.layouts.items()]
+        notes = [
+            f"argument {a}: {len(l.groups)} stack(s) of {len(l.groups[0])} leaves packed, "
+            f"{len(l.rest)} leaves passed through"
+            for a, l in self.layouts.items()
+        ]
         if not self.packed_outputs:
             return notes
         offsets = self._out_offsets()
@@ -201,32 +211,44 @@ class LoopPlan:
             layout = self.layouts.get(argnum)
             tree = jax.tree_util.tree_structure(self._out_shape[o])
             if layout is None or tree != layout.treedef:
-                raise ValueError(f"output {o} cannot be packed like argument {argnum}: "
-                                 + ("that argument is not packed" if layout is None else
-                                    f"structure {tree} differs from {layout.treedef}"))
-            outvars = self._root.outvars[offsets[o]:offsets[o + 1]]
+                raise ValueError(
+                    f"output {o} cannot be packed like argument {argnum}: "
+                    + (
+                        "that argument is not packed"
+                        if layout is None
+                        else f"structure {tree} differs from {layout.treedef}"
+                    )
+                )
+            outvars = self._root.outvars[offsets[o] : offsets[o + 1]]
             for g, group in enumerate(layout.groups):
                 srcs = [from_run.get(outvars[i]) for i in group]
-                direct = None not in srcs and len({s[:2] for s in srcs}) == 1 and all(
-                    s[2] == k for k, s in enumerate(srcs))
-                notes.append(f"output {o} stack {g}: " + ("the scan's stacked output (no copy)" if direct
-                                                           else "restacked inside the function (a copy)"))
+                direct = (
+                    None not in srcs and len({s[:2] for s in srcs}) == 1 and all(s[2] == k for k, s in enumerate(srcs))
+                )
+                notes.append(
+                    f"output {o} stack {g}: "
+                    + ("the scan's stacked output (no copy)" if direct else "restacked inside the function (a copy)")
+                )
         return notes
 
     def pack(self, *args) -> tuple:
         """`args` with each packed argument replaced by its `Packed` form (stacks built once)."""
-        return tuple(Packed.pack(a, self.layouts[i]) if i in self.layouts else a
-                     for i, a in enumerate(args))
+        return tuple(Packed.pack(a, self.layouts[i]) if i in self.layouts else a for i, a in enumerate(args))
 
     def packed_shapes(self) -> tuple:
         """`pack` applied to the traced argument shapes (`jax.ShapeDtypeStruct` leaves)."""
-        specs = self._specs if self._root is self.original_jaxpr else [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-            for a in self.original_jaxpr.in_avals]
-        args = [jax.tree_util.tree_unflatten(t, specs[self._arg_offsets[i]:self._arg_offsets[i + 1]])
-                for i, t in enumerate(self._arg_trees)]
-        return tuple(Packed.pack(a, self.layouts[i], _stack_spec) if i in self.layouts else a
-                     for i, a in enumerate(args))
+        specs = (
+            self._specs
+            if self._root is self.original_jaxpr
+            else [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self.original_jaxpr.in_avals]
+        )
+        args = [
+            jax.tree_util.tree_unflatten(t, specs[self._arg_offsets[i] : self._arg_offsets[i + 1]])
+            for i, t in enumerate(self._arg_trees)
+        ]
+        return tuple(
+            Packed.pack(a, self.layouts[i], _stack_spec) if i in self.layouts else a for i, a in enumerate(args)
+        )
 
     # --- the looped function -----------------------------------------------------------------------
     def looped(self, *args):
@@ -244,18 +266,25 @@ class LoopPlan:
         outs = self._interp.eval(self._root, flat)
         if not self.packed_outputs:
             return jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(self._out_shape), [_materialize(x) for x in outs])
+                jax.tree_util.tree_structure(self._out_shape), [_materialize(x) for x in outs]
+            )
         offsets, result = self._out_offsets(), []
         for o, shape in enumerate(self._out_shape):
-            leaves = outs[offsets[o]:offsets[o + 1]]
+            leaves = outs[offsets[o] : offsets[o + 1]]
             argnum = self.packed_outputs.get(o)
             if argnum is None:
-                result.append(jax.tree_util.tree_unflatten(
-                    jax.tree_util.tree_structure(shape), [_materialize(x) for x in leaves]))
+                result.append(
+                    jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), [_materialize(x) for x in leaves])
+                )
             else:
                 layout = self.layouts[argnum]
-                result.append(Packed([_as_stack([leaves[i] for i in g]) for g in layout.groups],
-                                     [_materialize(leaves[i]) for i in layout.rest], layout))
+                result.append(
+                    Packed(
+                        [_as_stack([leaves[i] for i in g]) for g in layout.groups],
+                        [_materialize(leaves[i]) for i in layout.rest],
+                        layout,
+                    )
+                )
         return type(self._out_shape)(result)
 
     def unpack_outputs(self, outputs):
@@ -284,9 +313,12 @@ class LoopPlan:
             else:
                 kind = "stacked"
                 argnum = self._packed_inputs.get((id(run), p))
-                source = (f"packed: argument {argnum}" if argnum is not None else
-                          "stacked inside the function (" + ("computed inside it or argument not packed)"
-                                                             if at_root else "run is nested)"))
+                source = (
+                    f"packed: argument {argnum}"
+                    if argnum is not None
+                    else "stacked inside the function ("
+                    + ("computed inside it or argument not packed)" if at_root else "run is nested)")
+                )
                 if self.in_place:
                     source += "; body reads row i in place (dots via stacked_dot)"
                 elif self.index_mode == "whole":
@@ -300,15 +332,27 @@ class LoopPlan:
                 parts.append(f"per call, stacked [{run.length},...]")
             outputs.append(f"out{j:<3d} {label:40s} {aval_str(aval):16s} " + (", ".join(parts) or "unused"))
         scope = "/".join(s for s in (str(run.name_stack), run.body_scope) if s)
-        return RunReport(str(run.calls[0].params.get("name", run.calls[0].primitive.name)), run.length,
-                         where, scope, inputs, outputs, len(run.hoisted), len(run.sunk))
+        return RunReport(
+            str(run.calls[0].params.get("name", run.calls[0].primitive.name)),
+            run.length,
+            where,
+            scope,
+            inputs,
+            outputs,
+            len(run.hoisted),
+            len(run.sunk),
+        )
 
 
-def kernel_loop(fn: Callable, *args, index_mode: str = "slice",
-                packed_argnums: tuple[int, ...] | None = None,
-                packed_outputs: Mapping[int, int] | None = None,
-                stacked_dot: StackedDot | None = None,
-                stacked_calls: Mapping[str, StackedCall] | None = None) -> LoopPlan:
+def kernel_loop(
+    fn: Callable,
+    *args,
+    index_mode: str = "slice",
+    packed_argnums: tuple[int, ...] | None = None,
+    packed_outputs: Mapping[int, int] | None = None,
+    stacked_dot: StackedDot | None = None,
+    stacked_calls: Mapping[str, StackedCall] | None = None,
+) -> LoopPlan:
     """Analyse `fn` at `args` (arrays or `jax.ShapeDtypeStruct`s) and plan its kernel looping.
 
     Args:

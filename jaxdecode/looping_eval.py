@@ -18,7 +18,6 @@ from jaxdecode.inplace import RefEvaluator, StackedCall, StackedDot, StackedRef,
 from jaxdecode.looping_find import Run, StructuralKeys, callee_name, callee_of, find_runs, sub_jaxprs
 from jaxdecode.looping_report import SkipReport
 
-
 # --- JAX-version shims: the private name-stack API and the bind-params convention. -------------
 
 
@@ -26,8 +25,11 @@ def _eqn_context(eqn: jcore.JaxprEqn, name_stack=None):
     """Re-enter `eqn`'s context (as `jax.core.eval_jaxpr` does), under `name_stack` if given."""
     relative = eqn.source_info.name_stack if name_stack is None else name_stack
     stack = contextlib.ExitStack()
-    stack.enter_context(source_info_util.user_context(
-        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack() + relative))
+    stack.enter_context(
+        source_info_util.user_context(
+            eqn.source_info.traceback, name_stack=source_info_util.current_name_stack() + relative
+        )
+    )
     stack.enter_context(eqn.ctx.manager)
     return stack
 
@@ -40,6 +42,8 @@ def _bind(eqn: jcore.JaxprEqn, params: dict[str, Any], args: Sequence[Any]) -> l
     else:
         out = eqn.primitive.bind(*args, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -66,9 +70,11 @@ def _materialize(value):
 def _as_stack(values: list[Any]):
     """The `[n, ...]` stack of `values`; free when they are rows 0..n-1 of one stack."""
     first = values[0]
-    if (isinstance(first, _Slice) and first.stack.shape[0] == len(values)
-        and all(isinstance(v, _Slice) and v.stack is first.stack and v.index == k
-                for k, v in enumerate(values))):
+    if (
+        isinstance(first, _Slice)
+        and first.stack.shape[0] == len(values)
+        and all(isinstance(v, _Slice) and v.stack is first.stack and v.index == k for k, v in enumerate(values))
+    ):
         return first.stack
     return jnp.stack([_materialize(v) for v in values])
 
@@ -100,16 +106,21 @@ class _Analysis:
         if id(jaxpr) not in self._has_runs:
             _, schedule, runs, _ = self.levels[id(jaxpr)]
             self._has_runs[id(jaxpr)] = bool(runs) or any(
-                self.has_runs(sub) for eqn in schedule if not isinstance(eqn, Run)
-                for _, sub in sub_jaxprs(eqn.params))
+                self.has_runs(sub) for eqn in schedule if not isinstance(eqn, Run) for _, sub in sub_jaxprs(eqn.params)
+            )
         return self._has_runs[id(jaxpr)]
 
 
 class _Interpreter:
     """Evaluates analysed jaxprs, turning each run into one `lax.scan` (Equinox-style env loop)."""
 
-    def __init__(self, analysis: _Analysis, index_mode: str, stacked_dot: StackedDot | None = None,
-                 stacked_calls: Mapping[str, StackedCall] | None = None):
+    def __init__(
+        self,
+        analysis: _Analysis,
+        index_mode: str,
+        stacked_dot: StackedDot | None = None,
+        stacked_calls: Mapping[str, StackedCall] | None = None,
+    ):
         self.analysis, self.index_mode, self.stacked_dot = analysis, index_mode, stacked_dot
         self.stacked_calls = stacked_calls
         self._transformed: dict[int, jcore.Jaxpr] = {}
@@ -134,8 +145,10 @@ class _Interpreter:
         if not self.analysis.has_runs(jaxpr):
             return jaxpr
         if id(jaxpr) not in self._transformed:
+
             def fun(*args):
                 return [_materialize(x) for x in self.eval(jaxpr, args)]
+
             fun.__name__ = getattr(jaxpr.debug_info, "func_name", None) or "looped"
             specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in jaxpr.in_avals]
             with source_info_util.reset_name_stack():
@@ -276,10 +289,8 @@ class Packed:
     def pack(cls, tree, layout: PackLayout, stack=jnp.stack) -> Packed:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != layout.treedef:
-            raise ValueError(
-                f"cannot pack: tree structure {treedef} differs from the plan's {layout.treedef}")
-        return cls([stack([leaves[i] for i in g]) for g in layout.groups],
-                   [leaves[i] for i in layout.rest], layout)
+            raise ValueError(f"cannot pack: tree structure {treedef} differs from the plan's {layout.treedef}")
+        return cls([stack([leaves[i] for i in g]) for g in layout.groups], [leaves[i] for i in layout.rest], layout)
 
     def leaves(self, lazy: bool = False) -> list[Any]:
         out: list[Any] = [None] * (sum(map(len, self.layout.groups)) + len(self.layout.rest))

@@ -9,8 +9,8 @@ contract and the rules are in the `jaxdecode.looping` docstring; the rules are i
 from __future__ import annotations
 
 import collections
-import os
 import dataclasses
+import os
 import re
 from collections.abc import Hashable
 from typing import Any
@@ -119,8 +119,7 @@ class StructuralKeys:
             if eqn.primitive.name in _CUSTOM_RULE_PRIMITIVES:
                 params = {k: v for k, v in params.items() if isinstance(v, _PLAIN_PARAM)}
             eqns.append((eqn.primitive.name, self.params(params), ins, outs, str(eqn.effects)))
-        key = (invars, tuple(_const_key(c) for c in jaxpr.consts), tuple(eqns),
-               tuple(atom(a) for a in jaxpr.outvars))
+        key = (invars, tuple(_const_key(c) for c in jaxpr.consts), tuple(eqns), tuple(atom(a) for a in jaxpr.outvars))
         self._memo[id(jaxpr)] = (jaxpr, key)
         return key
 
@@ -218,8 +217,10 @@ class _Candidate:
             if a in out_pos:
                 carry[p] = out_pos[a]
             elif a in self.sunk_from:
-                return (f"op `{self.sunk_from[a].primitive.name}` between calls sits on the carried path "
-                        "(it reads the previous call's output and the next call reads its result)")
+                return (
+                    f"op `{self.sunk_from[a].primitive.name}` between calls sits on the carried path "
+                    "(it reads the previous call's output and the next call reads its result)"
+                )
             elif a in self.tainted:
                 return "it reads an output of an earlier call than the previous one (skip connection)"
         if not carry:
@@ -250,8 +251,8 @@ class _Candidate:
                 continue
             atoms = [eqn.invars[p] for eqn in calls]
             same = all(a is atoms[0] for a in atoms) or all(
-                isinstance(a, jcore.Literal) and _const_key(a.val) == _const_key(atoms[0].val)
-                for a in atoms)
+                isinstance(a, jcore.Literal) and _const_key(a.val) == _const_key(atoms[0].val) for a in atoms
+            )
             (shared if same else stacked).append(p)
         ys = set()
         for k, eqn in enumerate(calls):
@@ -263,19 +264,20 @@ class _Candidate:
                 if uses[v] > by_next and not last_carried:
                     ys.add(j)
         name_stack, body_scope = _common_scope(calls)
-        return Run(calls, hoisted, sunk, dict(sorted(self.carry.items())), shared, stacked,
-                   sorted(ys), name_stack, body_scope)
+        return Run(
+            calls, hoisted, sunk, dict(sorted(self.carry.items())), shared, stacked, sorted(ys), name_stack, body_scope
+        )
 
 
 def _uses(jaxpr: jcore.Jaxpr) -> collections.Counter:
-    uses = collections.Counter(a for eqn in jaxpr.eqns for a in eqn.invars
-                               if not isinstance(a, jcore.Literal))
+    uses = collections.Counter(a for eqn in jaxpr.eqns for a in eqn.invars if not isinstance(a, jcore.Literal))
     uses.update(a for a in jaxpr.outvars if not isinstance(a, jcore.Literal))
     return uses
 
 
-def find_runs(jaxpr: jcore.Jaxpr, keys: StructuralKeys, where: str
-              ) -> tuple[list[jcore.JaxprEqn | Run], list[Run], list[SkipReport]]:
+def find_runs(
+    jaxpr: jcore.Jaxpr, keys: StructuralKeys, where: str
+) -> tuple[list[jcore.JaxprEqn | Run], list[Run], list[SkipReport]]:
     """The schedule of one jaxpr level (no recursion), its runs, and the calls left out and why."""
     eqns = list(jaxpr.eqns)
     calls_per_name = collections.Counter(callee_name(e) for e in eqns if is_layer_call(e))
@@ -320,8 +322,11 @@ def find_runs(jaxpr: jcore.Jaxpr, keys: StructuralKeys, where: str
             finish(f"call of a different callee `{name}`")
             prev = last_by_name.get(name)
             if prev is not None and prev.key != key:
-                skip(eqn, "different callee: same function but a structurally different jaxpr "
-                          "(shapes, dtypes or params differ)")
+                skip(
+                    eqn,
+                    "different callee: same function but a structurally different jaxpr "
+                    "(shapes, dtypes or params differ)",
+                )
             elif prev is not None:
                 skip(eqn, f"non-consecutive: {prev.ended_by}")
         cur = _Candidate(eqns, i, key)

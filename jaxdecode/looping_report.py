@@ -74,19 +74,24 @@ class LoopReport:
 
     def format(self) -> str:
         calls = sum(r.length for r in self.runs)
-        lines = [f"kernel looping: {len(self.runs)} run(s) covering {calls} calls, "
-                 f"{len(self.skips)} call(s) not merged (index mode: {self.index_mode})"]
+        lines = [
+            f"kernel looping: {len(self.runs)} run(s) covering {calls} calls, "
+            f"{len(self.skips)} call(s) not merged (index mode: {self.index_mode})"
+        ]
         for n, run in enumerate(self.runs, 1):
-            lines.append(f"run {n}: `{run.callee}` x{run.length} -> lax.scan(length={run.length})"
-                         f"  in {run.where}  scope '{run.name_scope}'")
+            lines.append(
+                f"run {n}: `{run.callee}` x{run.length} -> lax.scan(length={run.length})"
+                f"  in {run.where}  scope '{run.name_scope}'"
+            )
             width = max(len(i.label) for i in run.inputs)
             for kind in ("carried", "shared", "stacked"):
                 for i in (i for i in run.inputs if i.kind == kind):
                     lines.append(f"  {kind:8s} in{i.position:<3d} {i.label:{width}s}  {i.aval:18s} {i.source}")
             lines += [f"  output   {o}" for o in run.outputs]
             if run.hoisted or run.sunk:
-                lines.append(f"  reordered: {run.hoisted} op(s) between calls hoisted before the scan, "
-                             f"{run.sunk} sunk after it")
+                lines.append(
+                    f"  reordered: {run.hoisted} op(s) between calls hoisted before the scan, {run.sunk} sunk after it"
+                )
         if self.skips:
             lines.append("not merged:")
             lines += [f"  `{s.callee}` in {s.where} scope '{s.name_scope}': {s.reason}" for s in self.skips]

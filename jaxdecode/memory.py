@@ -37,13 +37,16 @@ class MemoryEstimate:
         return int(1.1 * (self.weights + self.packing + self.kv_cache + self.workspace))
 
     def describe(self) -> str:
-        return (f"weights {self.weights / GB:.1f} GB + packing copy {self.packing / GB:.1f} GB + "
-                f"KV cache {self.kv_cache / GB:.1f} GB + workspace {self.workspace / GB:.2f} GB, "
-                f"with 10% margin {self.total / GB:.1f} GB")
+        return (
+            f"weights {self.weights / GB:.1f} GB + packing copy {self.packing / GB:.1f} GB + "
+            f"KV cache {self.kv_cache / GB:.1f} GB + workspace {self.workspace / GB:.2f} GB, "
+            f"with 10% margin {self.total / GB:.1f} GB"
+        )
 
 
-def estimate(cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096,
-             looped: bool = True, tp: int = 1) -> MemoryEstimate:
+def estimate(
+    cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096, looped: bool = True, tp: int = 1
+) -> MemoryEstimate:
     """Bytes on one device; with tp > 1 those of one of tp devices (ValueError if tp cannot split cfg)."""
     shard = cfg
     if tp != 1:
@@ -64,13 +67,23 @@ def device_memory_bytes(device=None) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def preflight(cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096, looped: bool = True,
-              available: int | None = None, tp: int = 1) -> MemoryEstimate:
+def preflight(
+    cfg: ModelConfig,
+    *,
+    itemsize: int,
+    batch: int = 1,
+    context: int = 4096,
+    looped: bool = True,
+    available: int | None = None,
+    tp: int = 1,
+) -> MemoryEstimate:
     """Raise ValueError with the numbers when the estimate exceeds the device's memory (per device)."""
     est = estimate(cfg, itemsize=itemsize, batch=batch, context=context, looped=looped, tp=tp)
     available = device_memory_bytes() if available is None else available
     if est.total > available:
         where = f"each of {tp} devices" if tp > 1 else "the device"
-        raise ValueError(f"{cfg.name} does not fit: needs {est.describe()}{' per device' if tp > 1 else ''}, "
-                         f"but {where} has {available / GB:.1f} GB")
+        raise ValueError(
+            f"{cfg.name} does not fit: needs {est.describe()}{' per device' if tp > 1 else ''}, "
+            f"but {where} has {available / GB:.1f} GB"
+        )
     return est

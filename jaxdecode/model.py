@@ -40,8 +40,9 @@ def tp_residual_add(x: Array, block_out: Array, cfg: ModelConfig) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def residual_norm(x: Array, block_out: Array, weight: Array, eps: Array | float, *comm: Array, cfg: ModelConfig
-                  ) -> tuple[Array, Array]:
+def residual_norm(
+    x: Array, block_out: Array, weight: Array, eps: Array | float, *comm: Array, cfg: ModelConfig
+) -> tuple[Array, Array]:
     """(s, rms_norm(s) · weight) for s = `tp_residual_add(x, block_out)`: the attention block's residual
     add and the MLP's input norm. x, block_out [..., D]; weight [D]; `comm` as in `decoder_layer_call`.
     One module-level jitted call, so that under tensor parallelism the in-place looped decode can run
@@ -147,16 +148,27 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         projs = (self.q_proj, self.k_proj, self.v_proj)
         biases = [p.bias[...] for p in projs] if cfg.qkv_bias else []
-        out, k_cache, v_cache = qkv_attend(x, k_cache, v_cache, positions, cos, sin, *(p.weight[...] for p in projs),
-                                           *biases)  # [B, T, N, H]
+        out, k_cache, v_cache = qkv_attend(
+            x, k_cache, v_cache, positions, cos, sin, *(p.weight[...] for p in projs), *biases
+        )  # [B, T, N, H]
         out = out.reshape(b, t, cfg.q_dim)  # [B, T, N*H]
         out = self.o_proj(out)  # [B, T, D]; under tensor parallelism a partial sum over this device's heads
         return out, k_cache, v_cache
 
 
 @jax.jit
-def qkv_attend(x: Array, k_cache: Array, v_cache: Array, positions: Array, cos: Array, sin: Array,
-               w_q: Array, w_k: Array, w_v: Array, *biases: Array) -> tuple[Array, Array, Array]:
+def qkv_attend(
+    x: Array,
+    k_cache: Array,
+    v_cache: Array,
+    positions: Array,
+    cos: Array,
+    sin: Array,
+    w_q: Array,
+    w_k: Array,
+    w_v: Array,
+    *biases: Array,
+) -> tuple[Array, Array, Array]:
     """The projections (`qkv`), RoPE on q and k, then `attend` (the cache write and the attention):
     x [B, T, D] -> (out [B, T, N, H], k_cache, v_cache); caches [B, S, K, H]; cos, sin [B, T, H].
     One module-level jitted call, so the in-place looped decode can run everything between the q·k·v
@@ -185,8 +197,9 @@ def qkv(x: Array, w_q: Array, w_k: Array, w_v: Array, *biases: Array) -> tuple[A
 
 
 @jax.jit
-def attend(q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, positions: Array
-           ) -> tuple[Array, Array, Array]:
+def attend(
+    q: Array, k: Array, v: Array, k_cache: Array, v_cache: Array, positions: Array
+) -> tuple[Array, Array, Array]:
     """Writes each sequence's T new rows k, v [B, T, K, H] into the cache [B, S, K, H] at its start
     position positions[:, 0], then attends (`sdpa`); returns (out [B, T, N, H], k_cache, v_cache).
     One module-level jitted call: the in-place looped decode writes the rows into its carried cache
@@ -259,8 +272,9 @@ class DecoderLayer(nnx.Module):
             attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, positions, cos, sin)
         with jax.named_scope("mlp"):
             norm = self.post_attention_layernorm
-            x, h = residual_norm(x, attn, norm.weight[...], np.float32(norm.eps), *allreduce.current_buffers(),
-                                 cfg=self.cfg)  # the attention's residual add, the MLP's input norm
+            x, h = residual_norm(
+                x, attn, norm.weight[...], np.float32(norm.eps), *allreduce.current_buffers(), cfg=self.cfg
+            )  # the attention's residual add, the MLP's input norm
             x = tp_residual_add(x, self.mlp(h), self.cfg)
         return x, k_cache, v_cache
 
@@ -307,7 +321,6 @@ class Transformer(nnx.Module):
                 logits = self.lm_head(x)  # [B, T, V]
         return logits.astype(jnp.float32), new_k, new_v
 
-
     def run_layers(self, x, k_caches, v_caches, positions, cos, sin):
         """The decoder layers in order, each one `decoder_layer_call` (the calls the looping pass finds).
         x [B, T, D]; caches L x [B, S, K, H]; returns x and the new caches."""
@@ -315,8 +328,9 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layers_{i}"):
                 graphdef, state = nnx.split(layer)
-                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin,
-                                             *allreduce.current_buffers())
+                x, k, v = decoder_layer_call(
+                    graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin, *allreduce.current_buffers()
+                )
             new_k.append(k)
             new_v.append(v)
         return x, new_k, new_v

@@ -25,10 +25,14 @@ class TokenizerError(ValueError):
 
 
 # Pre-tokenizer split patterns, by llama.cpp's `tokenizer.ggml.pre` name.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2 = ("gpt-2", "gpt2", "default", "phi-2", "olmo", "stablelm2", "jais", "poro-chat", "viking")
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _LLAMA3 = ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx", "falcon3")
@@ -50,8 +54,12 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if split is None:
         known = ", ".join(_GPT2 + _DIGITS_THEN_GPT2 + _LLAMA3 + _QWEN2)
         raise TokenizerError(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: {known}")
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def _token_text(value: Any) -> str | None:
@@ -62,9 +70,17 @@ def _token_text(value: Any) -> str | None:
 class Tokenizer:
     """Text ↔ token ids, special tokens, streaming decode and chat templates."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None = None, eos_id: int | None = None,
-                 pad_id: int | None = None, add_bos: bool = False, chat_template: str | None = None,
-                 extra_eos_ids: Iterable[int] = ()):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+        extra_eos_ids: Iterable[int] = (),
+    ):
         self.backend = backend
         self.bos_id, self.eos_id, self.pad_id, self.add_bos = bos_id, eos_id, pad_id, add_bos
         self.chat_template = chat_template
@@ -83,7 +99,9 @@ class Tokenizer:
         """A byte-level BPE tokenizer from GGUF metadata (`tokenizer.ggml.model` == "gpt2")."""
         kind = metadata.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported")
+            raise TokenizerError(
+                f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported"
+            )
         tokens = metadata.get("tokenizer.ggml.tokens")
         merges = metadata.get("tokenizer.ggml.merges")
         types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens or ())
@@ -98,16 +116,23 @@ class Tokenizer:
         backend = tokenizers.Tokenizer(bpe)
         backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
         backend.decoder = decoders.ByteLevel()
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty == _CONTROL])
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        )
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+        )
         get = metadata.get
         extra = [get(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if get(k) is not None]
-        return cls(backend, bos_id=get("tokenizer.ggml.bos_token_id"), eos_id=get("tokenizer.ggml.eos_token_id"),
-                   pad_id=get("tokenizer.ggml.padding_token_id"),
-                   add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=get("tokenizer.chat_template"), extra_eos_ids=extra)
+        return cls(
+            backend,
+            bos_id=get("tokenizer.ggml.bos_token_id"),
+            eos_id=get("tokenizer.ggml.eos_token_id"),
+            pad_id=get("tokenizer.ggml.padding_token_id"),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=get("tokenizer.chat_template"),
+            extra_eos_ids=extra,
+        )
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -138,9 +163,15 @@ class Tokenizer:
         gen_eos = gen.get("eos_token_id")
         extra = [gen_eos] if isinstance(gen_eos, int) else [i for i in gen_eos or [] if isinstance(i, int)]
         pad_tok = _token_text(conf.get("pad_token"))
-        return cls(backend, bos_id=bos_id, eos_id=backend.token_to_id(eos_tok) if eos_tok else None,
-                   pad_id=backend.token_to_id(pad_tok) if pad_tok else None, add_bos=add_bos,
-                   chat_template=template, extra_eos_ids=extra)
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_id=backend.token_to_id(eos_tok) if eos_tok else None,
+            pad_id=backend.token_to_id(pad_tok) if pad_tok else None,
+            add_bos=add_bos,
+            chat_template=template,
+            extra_eos_ids=extra,
+        )
 
     # --- encode and decode ----------------------------------------------------------------------
 
@@ -180,7 +211,9 @@ class Tokenizer:
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -189,16 +222,20 @@ class Tokenizer:
         except TemplateError as e:
             raise TokenizerError(f"chat template does not compile: {e}") from None
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}]), rendered by the model's template."""
         from jinja2 import TemplateError
 
-        special = {f"{k}_token": self.token(i) if i is not None else None
-                   for k, i in (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id))}
+        special = {
+            f"{k}_token": self.token(i) if i is not None else None
+            for k, i in (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id))
+        }
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **(special | kwargs))
+            return self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **(special | kwargs)
+            )
         except TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from None
 
@@ -219,19 +256,19 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        done = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
-        text = self.tok.decode(self.ids[self.prefix:], self.skip)
+        done = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        text = self.tok.decode(self.ids[self.prefix :], self.skip)
         if len(text) <= len(done) or text.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(done):]
+        return text[len(done) :]
 
     def flush(self) -> str:
         """Whatever is left (an incomplete character comes out as U+FFFD)."""
-        done = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
-        text = self.tok.decode(self.ids[self.prefix:], self.skip)
+        done = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        text = self.tok.decode(self.ids[self.prefix :], self.skip)
         self.prefix = self.read = len(self.ids)
-        return text[len(done):]
+        return text[len(done) :]
 
     def __call__(self, ids: Iterable[int]) -> Iterator[str]:
         """Yield the new text of each token of `ids` that completes some (then the rest at the end)."""

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
@@ -86,20 +87,30 @@ def shard_config(cfg: ModelConfig, tp: int, allreduce: str = "kernel") -> ModelC
         raise ValueError(
             f"{cfg.name} cannot be split over {tp} devices: n_heads ({cfg.n_heads}), n_kv_heads "
             f"({cfg.n_kv_heads}) and ffn_dim ({cfg.ffn_dim}) must all be divisible by {tp}; "
-            f"tp in {valid_tp(cfg)} works")
-    return cfg.replace(name=f"{cfg.name}/tp{tp}", n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
-                       ffn_dim=cfg.ffn_dim // tp, head_dim=cfg.head_dim, vocab_size=-(-cfg.vocab_size // tp),
-                       tp_axis=AXIS, tp_allreduce=allreduce)
+            f"tp in {valid_tp(cfg)} works"
+        )
+    return cfg.replace(
+        name=f"{cfg.name}/tp{tp}",
+        n_heads=cfg.n_heads // tp,
+        n_kv_heads=cfg.n_kv_heads // tp,
+        ffn_dim=cfg.ffn_dim // tp,
+        head_dim=cfg.head_dim,
+        vocab_size=-(-cfg.vocab_size // tp),
+        tp_axis=AXIS,
+        tp_allreduce=allreduce,
+    )
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
     """A 1-D mesh ("tp",) over the first tp devices; ValueError when there are fewer."""
     devices = list(jax.devices() if devices is None else devices)
     if tp > len(devices):
-        hint = f"; on the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={tp}" \
-            if devices[0].platform == "cpu" else ""
-        raise ValueError(f"--tp {tp} needs {tp} devices, but JAX sees {len(devices)} "
-                         f"({devices[0].platform}){hint}")
+        hint = (
+            f"; on the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={tp}"
+            if devices[0].platform == "cpu"
+            else ""
+        )
+        raise ValueError(f"--tp {tp} needs {tp} devices, but JAX sees {len(devices)} ({devices[0].platform}){hint}")
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 
@@ -116,8 +127,10 @@ def _under_axis(mesh: Mesh, fn):
         out.append(fn())
         return x
 
-    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
-                   jax.ShapeDtypeStruct((), jnp.float32))
+    jax.eval_shape(
+        jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
     return out[0]
 
 
@@ -138,8 +151,17 @@ class TPForward:
     they are packed (stacked [L, ...]) for the looped forward, like `LoopedForward.pack_params`.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: int, *, dtype, loop_layers: bool = True, loop_mode: str = "slice",
-                 devices=None, allreduce: str = "kernel"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: int,
+        *,
+        dtype,
+        loop_layers: bool = True,
+        loop_mode: str = "slice",
+        devices=None,
+        allreduce: str = "kernel",
+    ):
         if loop_mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {loop_mode!r}")
         self.cfg, self.tp, self.dtype = cfg, tp, jnp.dtype(dtype)
@@ -148,8 +170,12 @@ class TPForward:
         # The barrier-free all-reduce kernel's flags and mailbox (kernels.allreduce.persistent_buffers):
         # made once, they ride in `step_params`, so every jitted step gets the same arrays as arguments.
         self._comm = ()
-        if (allreduce == "kernel" and tp == 2 and self.dtype in (jnp.bfloat16, jnp.float16)
-                and kernels_allreduce.on_hopper()):
+        if (
+            allreduce == "kernel"
+            and tp == 2
+            and self.dtype in (jnp.bfloat16, jnp.float16)
+            and kernels_allreduce.on_hopper()
+        ):
             self._comm = kernels_allreduce.persistent_buffers(self.mesh, AXIS, self.dtype)
         self.loop_layers, self.mode = loop_layers, loop_mode
         local = nnx.eval_shape(lambda: Transformer(self.shard_cfg, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -177,8 +203,13 @@ class TPForward:
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
         if treedef != jax.tree.structure(self._global_specs):
             raise ValueError(f"model structure differs from {model.cfg.name}'s")
-        unpacked_shardings = jax.tree.leaves(jax.tree.map(
-            lambda g, l: NamedSharding(self.mesh, _partition(g.shape, l.shape)), self._global_specs, self._local_specs))
+        unpacked_shardings = jax.tree.leaves(
+            jax.tree.map(
+                lambda g, l: NamedSharding(self.mesh, _partition(g.shape, l.shape)),
+                self._global_specs,
+                self._local_specs,
+            )
+        )
         placed = []
         for (path, x), spec, sharding in zip(flat, jax.tree.leaves(self._global_specs), unpacked_shardings):
             axis = _vocab_axis(jax.tree_util.keystr(path))
@@ -212,13 +243,13 @@ class TPForward:
                 fill = 0.0 if "bias" in path else 1.0
                 return jax.jit(lambda: jnp.full(shape, fill, self.dtype), out_shardings=sharding)()
             std = specs[i].shape[-1 if "embed_tokens" in path else -2] ** -0.5
-            return jax.jit(lambda: _hash_uniform(shape, seed * 7919 + i, std, self.dtype),
-                           out_shardings=sharding)()
+            return jax.jit(lambda: _hash_uniform(shape, seed * 7919 + i, std, self.dtype), out_shardings=sharding)()
 
         if not self.loop_layers:
             shardings = jax.tree.leaves(self.param_shardings)
-            self.params = jax.tree.unflatten(treedef, [make(i, s.shape, sh) for i, (s, sh) in
-                                                       enumerate(zip(specs, shardings))])
+            self.params = jax.tree.unflatten(
+                treedef, [make(i, s.shape, sh) for i, (s, sh) in enumerate(zip(specs, shardings))]
+            )
             return self
         lay, sh = self.layout, self.param_shardings  # a Packed of shardings
         stacks = [make(g[0], (len(g), *specs[g[0]].shape), s) for g, s in zip(lay.groups, sh.stacks)]
@@ -266,11 +297,17 @@ class TPForward:
             kv = [jax.ShapeDtypeStruct((batch, cache_len, c.n_kv_heads, c.head_dim), cache_dtype)] * c.n_layers
             comm = [jax.ShapeDtypeStruct((a.shape[0] // self.tp, *a.shape[1:]), a.dtype) for a in self._comm]
             args = (self._local_specs, ints, ints, kv, kv, *comm)
-            self._plans[key] = _under_axis(self.mesh, lambda: kernel_loop(
-                self._local_forward, *args,
-                index_mode="slice" if self.mode == "slice" else "whole", packed_outputs={1: _K, 2: _V},
-                stacked_dot=kernel_stacked_dot if self.mode == "inplace" else None,
-                stacked_calls=kernel_calls(c) if self.mode == "inplace" else None))
+            self._plans[key] = _under_axis(
+                self.mesh,
+                lambda: kernel_loop(
+                    self._local_forward,
+                    *args,
+                    index_mode="slice" if self.mode == "slice" else "whole",
+                    packed_outputs={1: _K, 2: _V},
+                    stacked_dot=kernel_stacked_dot if self.mode == "inplace" else None,
+                    stacked_calls=kernel_calls(c) if self.mode == "inplace" else None,
+                ),
+            )
         return self._plans[key]
 
     def forward(self, params, tokens, positions, cache: KVCache):
@@ -283,16 +320,22 @@ class TPForward:
         kv_spec = jax.tree.map(lambda a: P(*(None,) * (a.ndim - 2), AXIS, None), (cache.k, cache.v))  # K axis
         params, comm = (params.weights, params.comm) if isinstance(params, TPParams) else (params, ())
         if len(comm) != len(self._comm):
-            raise ValueError("this TPForward runs the all-reduce kernel: pass `step_params` (the weights and its "
-                             "buffers) as params, not `params`")
-        logits, k, v = jax.shard_map(fn, mesh=self.mesh,
-                                     in_specs=(self.param_specs, P(), P(), *kv_spec, *(P(AXIS),) * len(comm)),
-                                     out_specs=(P(), *kv_spec), check_vma=False)(
-            params, tokens, positions, cache.k, cache.v, *comm)
+            raise ValueError(
+                "this TPForward runs the all-reduce kernel: pass `step_params` (the weights and its "
+                "buffers) as params, not `params`"
+            )
+        logits, k, v = jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, P(), P(), *kv_spec, *(P(AXIS),) * len(comm)),
+            out_specs=(P(), *kv_spec),
+            check_vma=False,
+        )(params, tokens, positions, cache.k, cache.v, *comm)
         return logits, KVCache(k, v)
 
     def new_cache(self, batch: int, length: int, dtype) -> KVCache:
         """A zero cache sharded by kv heads (packed when looping); made in place on each device."""
+
         def make():
             cache = KVCache.init(self.cfg, batch, length, dtype)
             if self.loop_layers:
@@ -327,8 +370,9 @@ def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
         shard_config(cfg, tp)
         if spec != DEFAULT_MODEL:
             preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len), looped=False, tp=tp)
-            tpf = TPForward.random(cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers,
-                                   loop_mode=default_loop_mode())
+            tpf = TPForward.random(
+                cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers, loop_mode=default_loop_mode()
+            )
             return Engine(None, tp=tpf), None
     loaded = load_model(spec, dtype=dtype)
     return Engine(loaded.model, loop_layers=loop_layers, tp=tp), loaded.tokenizer

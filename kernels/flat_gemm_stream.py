@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,73 +34,73 @@ from jax import lax
 
 @dataclasses.dataclass(frozen=True)
 class StreamBlocks:
-  """Tunables. ctas=None: one CTA per SM of the device (132 on an H200)."""
+    """Tunables. ctas=None: one CTA per SM of the device (132 on an H200)."""
 
-  tile_n: int = 64  # weight columns per unit: the wgmma M side
-  tile_k: int = 256  # reduction depth per unit (one pipeline step)
-  stages: int = 4  # TMA stages in flight per CTA (>= 2); cut to what fits in smem_bytes
-  ctas: int | None = None
-  smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
+    tile_n: int = 64  # weight columns per unit: the wgmma M side
+    tile_k: int = 256  # reduction depth per unit (one pipeline step)
+    stages: int = 4  # TMA stages in flight per CTA (>= 2); cut to what fits in smem_bytes
+    ctas: int | None = None
+    smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
 
-  def max_stages(self, m8: int, itemsize: int = 2) -> int:
-    """The most pipeline stages whose x and weight tiles fit beside the [2, tile_n, M8] f32 flush buffer."""
-    per_stage = self.tile_k * (m8 + self.tile_n) * itemsize
-    return (self.smem_bytes - 2 * self.tile_n * m8 * 4) // per_stage
+    def max_stages(self, m8: int, itemsize: int = 2) -> int:
+        """The most pipeline stages whose x and weight tiles fit beside the [2, tile_n, M8] f32 flush buffer."""
+        per_stage = self.tile_k * (m8 + self.tile_n) * itemsize
+        return (self.smem_bytes - 2 * self.tile_n * m8 * 4) // per_stage
 
 
 def flat_gemm_multi_reference(x, ws, layer=None, out_dtype=None):
-  """(x [M, K] · w[layer] for w in ws), each [M, N_i] in f32 accumulation, cast to out_dtype
-  (default x.dtype). ws: [L, K, N_i] stacks (then `layer` is needed) or [K, N_i] matrices."""
-  out_dtype = x.dtype if out_dtype is None else out_dtype
-  outs = []
-  for w in ws:
-    w_l = w if w.ndim == 2 else lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-    outs.append(jnp.dot(x, w_l, preferred_element_type=jnp.float32).astype(out_dtype))
-  return tuple(outs)
+    """(x [M, K] · w[layer] for w in ws), each [M, N_i] in f32 accumulation, cast to out_dtype
+    (default x.dtype). ws: [L, K, N_i] stacks (then `layer` is needed) or [K, N_i] matrices."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    outs = []
+    for w in ws:
+        w_l = w if w.ndim == 2 else lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+        outs.append(jnp.dot(x, w_l, preferred_element_type=jnp.float32).astype(out_dtype))
+    return tuple(outs)
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """The static Stream-K layout of one call: units, their split over CTAs, the partial-sum slots."""
+    """The static Stream-K layout of one call: units, their split over CTAs, the partial-sum slots."""
 
-  ks: int  # k-steps per tile
-  tiles: tuple[int, ...]  # tiles per weight
-  units_per_cta: int  # R: each CTA takes R consecutive units (the last one may take fewer)
-  ctas: int  # C = ceil(units / R), every CTA has work
-  slots: int  # P: the most CTAs that share one tile
+    ks: int  # k-steps per tile
+    tiles: tuple[int, ...]  # tiles per weight
+    units_per_cta: int  # R: each CTA takes R consecutive units (the last one may take fewer)
+    ctas: int  # C = ceil(units / R), every CTA has work
+    slots: int  # P: the most CTAs that share one tile
 
-  @property
-  def tile_count(self) -> int:
-    return sum(self.tiles)
+    @property
+    def tile_count(self) -> int:
+        return sum(self.tiles)
 
-  @property
-  def units(self) -> int:
-    return self.tile_count * self.ks
+    @property
+    def units(self) -> int:
+        return self.tile_count * self.ks
 
-  def written(self) -> np.ndarray:
-    """[P, T] bool: slot p of tile t holds a partial sum (CTA first_cta(t) + p covers part of t)."""
-    t = np.arange(self.tile_count)
-    first = t * self.ks // self.units_per_cta
-    last = ((t + 1) * self.ks - 1) // self.units_per_cta
-    return np.arange(self.slots)[:, None] <= (last - first)[None, :]
+    def written(self) -> np.ndarray:
+        """[P, T] bool: slot p of tile t holds a partial sum (CTA first_cta(t) + p covers part of t)."""
+        t = np.arange(self.tile_count)
+        first = t * self.ks // self.units_per_cta
+        last = ((t + 1) * self.ks - 1) // self.units_per_cta
+        return np.arange(self.slots)[:, None] <= (last - first)[None, :]
 
 
 def schedule(k: int, ns: tuple[int, ...], cfg: StreamBlocks, ctas: int) -> Schedule:
-  """Split the units (tile, k-step) of weights with N = ns over at most `ctas` CTAs."""
-  ks = k // cfg.tile_k
-  tiles = tuple(n // cfg.tile_n for n in ns)
-  units = sum(tiles) * ks
-  per_cta = -(-units // ctas)
-  used = -(-units // per_cta)
-  t = np.arange(sum(tiles))
-  span = ((t + 1) * ks - 1) // per_cta - t * ks // per_cta + 1
-  return Schedule(ks, tiles, per_cta, used, int(span.max()))
+    """Split the units (tile, k-step) of weights with N = ns over at most `ctas` CTAs."""
+    ks = k // cfg.tile_k
+    tiles = tuple(n // cfg.tile_n for n in ns)
+    units = sum(tiles) * ks
+    per_cta = -(-units // ctas)
+    used = -(-units // per_cta)
+    t = np.arange(sum(tiles))
+    span = ((t + 1) * ks - 1) // per_cta - t * ks // per_cta + 1
+    return Schedule(ks, tiles, per_cta, used, int(span.max()))
 
 
 def default_ctas() -> int:
-  """One CTA per SM: the device's core count (132 on an H200); 8 off the GPU (interpret mode)."""
-  dev = jax.devices()[0]
-  return int(getattr(dev, "core_count", 0) or 8) if dev.platform == "gpu" else 8
+    """One CTA per SM: the device's core count (132 on an H200); 8 off the GPU (interpret mode)."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 8) if dev.platform == "gpu" else 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,149 +108,153 @@ def default_ctas() -> int:
 
 
 def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile_k: int, stages: int):
-  """One CTA: units [c·R, min((c+1)·R, U)) through one TMA pipeline, a partial sum per tile."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
+    """One CTA: units [c·R, min((c+1)·R, U)) through one TMA pipeline, a partial sum per tile."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  *w_gmems, o_gmem = refs  # weights [L, K, N_i]; out [P, T·tile_n, M8] f32
-  m8 = -(-x_gmem.shape[0] // 8) * 8  # x [M, K] (M <= 8 or a multiple of 8) or padded to [M8, K]
-  ks, per_cta, units = sched.ks, sched.units_per_cta, sched.units
-  starts = np.cumsum((0,) + sched.tiles)  # first tile of each weight
-  layer = layer_gmem[0]
-  c = lax.axis_index("c")
-  u0 = c * per_cta
-  u1 = lax.min(u0 + per_cta, units)
-  nsteps = u1 - u0
+    *w_gmems, o_gmem = refs  # weights [L, K, N_i]; out [P, T·tile_n, M8] f32
+    m8 = -(-x_gmem.shape[0] // 8) * 8  # x [M, K] (M <= 8 or a multiple of 8) or padded to [M8, K]
+    ks, per_cta, units = sched.ks, sched.units_per_cta, sched.units
+    starts = np.cumsum((0,) + sched.tiles)  # first tile of each weight
+    layer = layer_gmem[0]
+    c = lax.axis_index("c")
+    u0 = c * per_cta
+    u1 = lax.min(u0 + per_cta, units)
+    nsteps = u1 - u0
 
-  def scoped(x_smem, w_smem, out_smem, bars):
-    def issue(j, slot):  # start loading the unit of local step j into `slot`
-      u = u0 + j
-      t, kk = lax.div(u, ks), lax.rem(u, ks)
-      ksl = pl.ds(kk * tile_k, tile_k)
-      # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
-      plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, m8), ksl], x_smem.at[slot], bars.at[slot])
-      for i, w in enumerate(w_gmems):
-        @pl.when((t >= starts[i]) & (t < starts[i + 1]))
-        def _():
-          nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
-          plgpu.copy_gmem_to_smem(w.at[layer, ksl, nsl], w_smem.at[slot], bars.at[slot])
+    def scoped(x_smem, w_smem, out_smem, bars):
+        def issue(j, slot):  # start loading the unit of local step j into `slot`
+            u = u0 + j
+            t, kk = lax.div(u, ks), lax.rem(u, ks)
+            ksl = pl.ds(kk * tile_k, tile_k)
+            # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, m8), ksl], x_smem.at[slot], bars.at[slot])
+            for i, w in enumerate(w_gmems):
 
-    for j in range(stages):  # prologue
-      @pl.when(j < nsteps)
-      def _():
-        issue(j, j)
+                @pl.when((t >= starts[i]) & (t < starts[i + 1]))
+                def _():
+                    nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
+                    plgpu.copy_gmem_to_smem(w.at[layer, ksl, nsl], w_smem.at[slot], bars.at[slot])
 
-    def step(j, acc):
-      slot = lax.rem(j, stages)
-      plgpu.barrier_wait(bars.at[slot])
-      plgpu.wgmma(acc, w_smem.at[slot].T, x_smem.at[slot].T)  # accᵀ += W tileᵀ · x tileᵀ
-      plgpu.wgmma_wait(1)  # step j-1's wgmma is done: its buffers can take step j-1+stages
+        for j in range(stages):  # prologue
 
-      @pl.when((j >= 1) & (j - 1 + stages < nsteps))
-      def _():
-        issue(j - 1 + stages, lax.rem(j - 1, stages))
-      return acc
+            @pl.when(j < nsteps)
+            def _():
+                issue(j, j)
 
-    t_first = lax.div(u0, ks)
+        def step(j, acc):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(bars.at[slot])
+            plgpu.wgmma(acc, w_smem.at[slot].T, x_smem.at[slot].T)  # accᵀ += W tileᵀ · x tileᵀ
+            plgpu.wgmma_wait(1)  # step j-1's wgmma is done: its buffers can take step j-1+stages
 
-    def segment(g, j_start):  # the CTA's part of tile t_first + g
-      t = t_first + g
-      j_end = lax.min((t + 1) * ks, u1) - u0
+            @pl.when((j >= 1) & (j - 1 + stages < nsteps))
+            def _():
+                issue(j - 1 + stages, lax.rem(j - 1, stages))
 
-      def run(acc):
-        lax.fori_loop(j_start, j_end, lambda j, _: (step(j, acc), None)[1], None)
-        plgpu.wgmma_wait(0)
-        return acc[...]
+            return acc
 
-      part = pl.run_scoped(run, plgpu.ACC((tile_n, m8), jnp.float32))  # [tile_n, M8]
-      buf = lax.rem(g, 2)
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
-      out_smem[buf] = part
-      plgpu.commit_smem()
-      p = c - lax.div(t * ks, per_cta)  # this CTA's slot in tile t
-      plgpu.copy_smem_to_gmem(out_smem.at[buf], o_gmem.at[p, pl.ds(t * tile_n, tile_n)])
-      return j_end
+        t_first = lax.div(u0, ks)
 
-    segments = lax.div(u1 - 1, ks) - t_first + 1
-    lax.fori_loop(0, segments, segment, jnp.int32(0))
-    plgpu.wait_smem_to_gmem(0)
+        def segment(g, j_start):  # the CTA's part of tile t_first + g
+            t = t_first + g
+            j_end = lax.min((t + 1) * ks, u1) - u0
 
-  dtype = x_gmem.dtype
-  pl.run_scoped(
-      scoped,
-      plgpu.SMEM((stages, m8, tile_k), dtype),
-      plgpu.SMEM((stages, tile_k, tile_n), dtype),
-      plgpu.SMEM((2, tile_n, m8), jnp.float32),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-  )
+            def run(acc):
+                lax.fori_loop(j_start, j_end, lambda j, _: (step(j, acc), None)[1], None)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+
+            part = pl.run_scoped(run, plgpu.ACC((tile_n, m8), jnp.float32))  # [tile_n, M8]
+            buf = lax.rem(g, 2)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
+            out_smem[buf] = part
+            plgpu.commit_smem()
+            p = c - lax.div(t * ks, per_cta)  # this CTA's slot in tile t
+            plgpu.copy_smem_to_gmem(out_smem.at[buf], o_gmem.at[p, pl.ds(t * tile_n, tile_n)])
+            return j_end
+
+        segments = lax.div(u1 - 1, ks) - t_first + 1
+        lax.fori_loop(0, segments, segment, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+    dtype = x_gmem.dtype
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, m8, tile_k), dtype),
+        plgpu.SMEM((stages, tile_k, tile_n), dtype),
+        plgpu.SMEM((2, tile_n, m8), jnp.float32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    )
 
 
 def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
-  """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
+    """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  m, k = x.shape
-  m8 = -(-m // 8) * 8
-  if m8 > 256:
-    raise ValueError(f"the stream flat GEMM takes M <= 256 (the wgmma N side), got {m=}")
-  ns = tuple(w.shape[2] for w in ws)
-  for w in ws:
-    if w.ndim != 3 or w.shape[1] != k or w.dtype != x.dtype:
-      raise ValueError(f"weights must be [L, {k}, N] of {x.dtype}, got {w.shape} {w.dtype}")
-  if k % cfg.tile_k or any(n % cfg.tile_n for n in ns):
-    raise ValueError(f"K={k} / N={ns} must be multiples of tile_k={cfg.tile_k} / tile_n={cfg.tile_n}")
-  sched = schedule(k, ns, cfg, cfg.ctas or default_ctas())
-  fit = cfg.max_stages(m8, x.dtype.itemsize)
-  if cfg.stages < 2 or fit < 2:  # step j refills the slot of step j-1: two slots is the least that works
-    raise ValueError(f"the stream flat GEMM needs 2 pipeline stages, got stages={cfg.stages} and room for "
-                     f"{fit} in {cfg.smem_bytes} bytes of shared memory at M={m}")
-  stages = max(2, min(cfg.stages, fit, sched.units_per_cta))
-  kernel = functools.partial(_stream_kernel, sched=sched, tile_n=cfg.tile_n, tile_k=cfg.tile_k,
-                             stages=stages)
-  out = plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),
-      grid=(sched.ctas,),
-      grid_names=("c",),
-      # The interpreter's GMEM starts as NaN, so a slot the schedule calls written but the kernel
-      # skipped shows up (tests check it).
-      interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-  )(jnp.asarray(layer, jnp.int32).reshape(1), x if tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
-    *ws)
-  return out, sched
+    m, k = x.shape
+    m8 = -(-m // 8) * 8
+    if m8 > 256:
+        raise ValueError(f"the stream flat GEMM takes M <= 256 (the wgmma N side), got {m=}")
+    ns = tuple(w.shape[2] for w in ws)
+    for w in ws:
+        if w.ndim != 3 or w.shape[1] != k or w.dtype != x.dtype:
+            raise ValueError(f"weights must be [L, {k}, N] of {x.dtype}, got {w.shape} {w.dtype}")
+    if k % cfg.tile_k or any(n % cfg.tile_n for n in ns):
+        raise ValueError(f"K={k} / N={ns} must be multiples of tile_k={cfg.tile_k} / tile_n={cfg.tile_n}")
+    sched = schedule(k, ns, cfg, cfg.ctas or default_ctas())
+    fit = cfg.max_stages(m8, x.dtype.itemsize)
+    if cfg.stages < 2 or fit < 2:  # step j refills the slot of step j-1: two slots is the least that works
+        raise ValueError(
+            f"the stream flat GEMM needs 2 pipeline stages, got stages={cfg.stages} and room for "
+            f"{fit} in {cfg.smem_bytes} bytes of shared memory at M={m}"
+        )
+    stages = max(2, min(cfg.stages, fit, sched.units_per_cta))
+    kernel = functools.partial(_stream_kernel, sched=sched, tile_n=cfg.tile_n, tile_k=cfg.tile_k, stages=stages)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),
+        grid=(sched.ctas,),
+        grid_names=("c",),
+        # The interpreter's GMEM starts as NaN, so a slot the schedule calls written but the kernel
+        # skipped shows up (tests check it).
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x if tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))), *ws)
+    return out, sched
 
 
 def tma_reads_unpadded(m: int) -> bool:
-  """Whether the kernel can read x [M, K] as it is: its TMA box has M8 rows, and Mosaic GPU takes a
-  GMEM dimension that is smaller than the 8-row tiling or a multiple of it (H200: M = 9..15, 17..23,
-  ... fail to lower), so those M get one pad to M8 first."""
-  return m <= 8 or m % 8 == 0
+    """Whether the kernel can read x [M, K] as it is: its TMA box has M8 rows, and Mosaic GPU takes a
+    GMEM dimension that is smaller than the 8-row tiling or a multiple of it (H200: M = 9..15, 17..23,
+    ... fail to lower), so those M get one pad to M8 first."""
+    return m <= 8 or m % 8 == 0
 
 
 def combine(partials, sched: Schedule, tile_n: int, m: int) -> jax.Array:
-  """Sum the written slots: [P, T·tile_n, M8] -> y [M, T·tile_n] f32 (one XLA fusion)."""
-  p, rows, m8 = partials.shape
-  parts = partials.reshape(p, sched.tile_count, tile_n, m8)
-  written = jnp.asarray(sched.written())[:, :, None, None]  # [P, T, 1, 1]
-  y = jnp.where(written, parts, 0.0).sum(axis=0).reshape(rows, m8)  # [T·tile_n, M8]
-  return y[:, :m].T
+    """Sum the written slots: [P, T·tile_n, M8] -> y [M, T·tile_n] f32 (one XLA fusion)."""
+    p, rows, m8 = partials.shape
+    parts = partials.reshape(p, sched.tile_count, tile_n, m8)
+    written = jnp.asarray(sched.written())[:, :, None, None]  # [P, T, 1, 1]
+    y = jnp.where(written, parts, 0.0).sum(axis=0).reshape(rows, m8)  # [T·tile_n, M8]
+    return y[:, :m].T
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
-def flat_gemm_multi(x, ws, layer=None, *, out_dtype=None, block_sizes: StreamBlocks = StreamBlocks(),
-                    interpret: bool = False):
-  """(x [M, K] · w[layer] for w in ws) in one kernel launch, each [M, N_i] in out_dtype (default
-  x.dtype). ws: a tuple of [L, K, N_i] stacks (layer: int32 scalar, may be traced) or [K, N_i].
+def flat_gemm_multi(
+    x, ws, layer=None, *, out_dtype=None, block_sizes: StreamBlocks = StreamBlocks(), interpret: bool = False
+):
+    """(x [M, K] · w[layer] for w in ws) in one kernel launch, each [M, N_i] in out_dtype (default
+    x.dtype). ws: a tuple of [L, K, N_i] stacks (layer: int32 scalar, may be traced) or [K, N_i].
 
-  Equivalent to `flat_gemm_multi_reference`: f32 accumulation, one rounding at the end.
-  """
-  out_dtype = x.dtype if out_dtype is None else out_dtype
-  ws = tuple(ws)
-  if all(w.ndim == 2 for w in ws):
-    ws, layer = tuple(w[None] for w in ws), 0
-  elif layer is None:
-    raise ValueError("stacked weights [L, K, N] need a layer index")
-  partials, sched = stream_partials(x, ws, layer, block_sizes, interpret)
-  y = combine(partials, sched, block_sizes.tile_n, x.shape[0])  # [M, ΣN] f32
-  bounds = np.cumsum([w.shape[2] for w in ws])[:-1]
-  return tuple(part.astype(out_dtype) for part in jnp.split(y, bounds, axis=1))
+    Equivalent to `flat_gemm_multi_reference`: f32 accumulation, one rounding at the end.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    ws = tuple(ws)
+    if all(w.ndim == 2 for w in ws):
+        ws, layer = tuple(w[None] for w in ws), 0
+    elif layer is None:
+        raise ValueError("stacked weights [L, K, N] need a layer index")
+    partials, sched = stream_partials(x, ws, layer, block_sizes, interpret)
+    y = combine(partials, sched, block_sizes.tile_n, x.shape[0])  # [M, ΣN] f32
+    bounds = np.cumsum([w.shape[2] for w in ws])[:-1]
+    return tuple(part.astype(out_dtype) for part in jnp.split(y, bounds, axis=1))

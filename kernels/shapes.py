@@ -16,19 +16,19 @@ import itertools
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
-  """The few widths of a Llama-family decoder that fix its kernel shapes."""
+    """The few widths of a Llama-family decoder that fix its kernel shapes."""
 
-  name: str
-  d_model: int  # D
-  num_heads: int  # N
-  num_kv_heads: int  # K
-  head_dim: int  # H
-  ffn: int  # F
-  num_layers: int  # L
+    name: str
+    d_model: int  # D
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    ffn: int  # F
+    num_layers: int  # L
 
-  @property
-  def group(self) -> int:  # G = N / K
-    return self.num_heads // self.num_kv_heads
+    @property
+    def group(self) -> int:  # G = N / K
+        return self.num_heads // self.num_kv_heads
 
 
 MODELS: dict[str, ModelDims] = {
@@ -40,68 +40,64 @@ MODELS: dict[str, ModelDims] = {
 
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
-  """Decode attention: q [B, T, N, H] against a kv cache [B, S, K, H]."""
+    """Decode attention: q [B, T, N, H] against a kv cache [B, S, K, H]."""
 
-  name: str
-  batch: int  # B
-  tokens: int  # T
-  num_heads: int  # N
-  num_kv_heads: int  # K
-  head_dim: int  # H
-  cache_len: int  # S
+    name: str
+    batch: int  # B
+    tokens: int  # T
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    cache_len: int  # S
 
-  @property
-  def kv_bytes(self) -> int:
-    """Bytes of K and V read once in bf16 (the memory floor of decode attention)."""
-    return 2 * 2 * self.batch * self.cache_len * self.num_kv_heads * self.head_dim
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V read once in bf16 (the memory floor of decode attention)."""
+        return 2 * 2 * self.batch * self.cache_len * self.num_kv_heads * self.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmShape:
-  """One per-layer projection: y[m, n] = x[m, k] · W[l][k, n] with W stacked as [L, k, n]."""
+    """One per-layer projection: y[m, n] = x[m, k] · W[l][k, n] with W stacked as [L, k, n]."""
 
-  name: str
-  m: int
-  k: int
-  n: int
-  layers: int
-  op: str  # "qkv" | "o" | "gate" | "up" | "down"
+    name: str
+    m: int
+    k: int
+    n: int
+    layers: int
+    op: str  # "qkv" | "o" | "gate" | "up" | "down"
 
-  @property
-  def weight_bytes(self) -> int:
-    """Bytes of one layer's bf16 weight (the memory floor of a flat GEMM)."""
-    return 2 * self.k * self.n
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one layer's bf16 weight (the memory floor of a flat GEMM)."""
+        return 2 * self.k * self.n
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeShapes:
-  """Everything one decode step of one model runs per layer."""
+    """Everything one decode step of one model runs per layer."""
 
-  name: str
-  model: ModelDims
-  attention: AttentionShape
-  gemms: tuple[GemmShape, ...]
+    name: str
+    model: ModelDims
+    attention: AttentionShape
+    gemms: tuple[GemmShape, ...]
 
 
 def decode_shapes(model: ModelDims, batch: int, cache_len: int, tokens: int = 1) -> DecodeShapes:
-  """The attention shape and the per-layer GEMM shapes of one decode step."""
-  name = f"{model.name}_b{batch}_s{cache_len}_decode"
-  m, d, h = batch * tokens, model.d_model, model.head_dim
-  qkv_out = (model.num_heads + 2 * model.num_kv_heads) * h
-  projections = (
-      ("qkv", d, qkv_out),
-      ("o", model.num_heads * h, d),
-      ("gate", d, model.ffn),
-      ("up", d, model.ffn),
-      ("down", model.ffn, d),
-  )
-  gemms = tuple(
-      GemmShape(f"{name}_{op}", m, k, n, model.num_layers, op) for op, k, n in projections
-  )
-  attention = AttentionShape(
-      f"{name}_attn", batch, tokens, model.num_heads, model.num_kv_heads, h, cache_len
-  )
-  return DecodeShapes(name, model, attention, gemms)
+    """The attention shape and the per-layer GEMM shapes of one decode step."""
+    name = f"{model.name}_b{batch}_s{cache_len}_decode"
+    m, d, h = batch * tokens, model.d_model, model.head_dim
+    qkv_out = (model.num_heads + 2 * model.num_kv_heads) * h
+    projections = (
+        ("qkv", d, qkv_out),
+        ("o", model.num_heads * h, d),
+        ("gate", d, model.ffn),
+        ("up", d, model.ffn),
+        ("down", model.ffn, d),
+    )
+    gemms = tuple(GemmShape(f"{name}_{op}", m, k, n, model.num_layers, op) for op, k, n in projections)
+    attention = AttentionShape(f"{name}_attn", batch, tokens, model.num_heads, model.num_kv_heads, h, cache_len)
+    return DecodeShapes(name, model, attention, gemms)
 
 
 CATALOG: dict[str, DecodeShapes] = {

@@ -52,19 +52,38 @@ class Analysis:
         return [r for r in self.runs if r.fits]
 
 
-def analyze(cfg, batch: int = 1, context: int = 4096, sockets=(1, 2, 4, 8, 16), *, hbm_tb_s: float = 1.8,
-            gpu_name: str = "h200", constants: str = "published", n_gpus: int = 1) -> Analysis:
+def analyze(
+    cfg,
+    batch: int = 1,
+    context: int = 4096,
+    sockets=(1, 2, 4, 8, 16),
+    *,
+    hbm_tb_s: float = 1.8,
+    gpu_name: str = "h200",
+    constants: str = "published",
+    n_gpus: int = 1,
+) -> Analysis:
     """Trace the decode step of `cfg`, map it on each socket count, simulate looped and unlooped, and
     estimate the GPU (`n_gpus` tensor parallel); `constants` picks the published or the fitted free
     constants (rdu/fitted.json); `result` is the JSON object of `jaxdecode rdu --json`."""
     hw = sn40l(hbm_tb_s, constants)
     graph = trace_decode_step(cfg, batch, context)
-    result = {"model": cfg.name, "batch": batch, "context": context, "hardware": hw.name, "constants": constants,
-              "n_gpus": n_gpus, "gflop_per_step": graph.total_flops() / 1e9, "gb_per_step": graph.fused_bytes / 1e9,
-              "sn40l": []}
-    lines = [f"{cfg.name} B={batch} S={context}: {graph.total_flops() / 1e9:.2f} GFLOP, "
-             f"{graph.fused_bytes / 1e9:.2f} GB per step; {hw.name}; {constants} constants"
-             + (" (rdu/fitted.json)" if constants == "fitted" else " (rdu/hardware.py)")]
+    result = {
+        "model": cfg.name,
+        "batch": batch,
+        "context": context,
+        "hardware": hw.name,
+        "constants": constants,
+        "n_gpus": n_gpus,
+        "gflop_per_step": graph.total_flops() / 1e9,
+        "gb_per_step": graph.fused_bytes / 1e9,
+        "sn40l": [],
+    }
+    lines = [
+        f"{cfg.name} B={batch} S={context}: {graph.total_flops() / 1e9:.2f} GFLOP, "
+        f"{graph.fused_bytes / 1e9:.2f} GB per step; {hw.name}; {constants} constants"
+        + (" (rdu/fitted.json)" if constants == "fitted" else " (rdu/hardware.py)")
+    ]
     runs = []
     for p in sockets:
         try:
@@ -75,12 +94,21 @@ def analyze(cfg, batch: int = 1, context: int = 4096, sockets=(1, 2, 4, 8, 16), 
             runs.append(SocketRun(p, None, None, None, str(e)))
             continue
         on, off = simulate_rdu(m, looped=True), simulate_rdu(m, looped=False)
-        lines.append(f"  {p:2d} sockets: looped {on.ms_per_token:8.3f} ms ({on.tok_s:8.1f} tok/s, "
-                     f"{100 * on.fraction_of_roofline:4.1f}% of roofline, {on.calls_per_token} calls)  "
-                     f"unlooped {off.ms_per_token:8.3f} ms ({off.calls_per_token} calls)  "
-                     f"KL {off.per_token_s / on.per_token_s:.2f}x")
-        result["sn40l"].append({"sockets": p, "fits": True, "looped": on.as_dict(), "unlooped": off.as_dict(),
-                                "kl_speedup": off.per_token_s / on.per_token_s})
+        lines.append(
+            f"  {p:2d} sockets: looped {on.ms_per_token:8.3f} ms ({on.tok_s:8.1f} tok/s, "
+            f"{100 * on.fraction_of_roofline:4.1f}% of roofline, {on.calls_per_token} calls)  "
+            f"unlooped {off.ms_per_token:8.3f} ms ({off.calls_per_token} calls)  "
+            f"KL {off.per_token_s / on.per_token_s:.2f}x"
+        )
+        result["sn40l"].append(
+            {
+                "sockets": p,
+                "fits": True,
+                "looped": on.as_dict(),
+                "unlooped": off.as_dict(),
+                "kl_speedup": off.per_token_s / on.per_token_s,
+            }
+        )
         runs.append(SocketRun(p, m, on, off))
     spec = gpu(gpu_name, constants)
     unrolled = trace_decode_step(cfg, batch, context, looped=False)
@@ -90,8 +118,10 @@ def analyze(cfg, batch: int = 1, context: int = 4096, sockets=(1, 2, 4, 8, 16), 
         e = gpu_estimate(unrolled, spec, batch=batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=mode, n_gpus=n_gpus)
         fits = graph.fused_bytes / n_gpus <= spec.hbm_bytes
         note = "" if fits else f"  (does not fit {spec.hbm_bytes / 1e9:.0f} GB HBM per GPU)"
-        lines.append(f"  {spec.name} x{n_gpus} {mode:9s}: {e.ms_per_token:8.3f} ms ({e.tok_s:8.1f} tok/s, "
-                     f"{e.calls_per_token} kernels per GPU){note}")
+        lines.append(
+            f"  {spec.name} x{n_gpus} {mode:9s}: {e.ms_per_token:8.3f} ms ({e.tok_s:8.1f} tok/s, "
+            f"{e.calls_per_token} kernels per GPU){note}"
+        )
         result["gpu"][mode] = e.as_dict()
         estimates[mode] = e
     return Analysis(cfg, batch, context, hw, spec, graph, unrolled, runs, estimates, result, lines)

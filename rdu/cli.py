@@ -23,12 +23,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096, help="cached tokens read per step")
     p.add_argument("--sockets", default="1,2,4,8,16", help="comma-separated socket counts (1..16)")
-    p.add_argument("--hbm-tb-s", type=float, default=1.8, choices=sorted(SN40L_HBM_CHOICES),
-                   help="SN40L HBM bandwidth per socket (published: 1.6, 1.8, 2.0)")
+    p.add_argument(
+        "--hbm-tb-s",
+        type=float,
+        default=1.8,
+        choices=sorted(SN40L_HBM_CHOICES),
+        help="SN40L HBM bandwidth per socket (published: 1.6, 1.8, 2.0)",
+    )
     p.add_argument("--gpu", default="h200", choices=("h100", "h200"))
     p.add_argument("--gpus", type=int, default=1, help="GPUs of one node, tensor parallel (1..8)")
-    p.add_argument("--constants", default="published", choices=CONSTANTS,
-                   help="free constants: published/assumed (rdu/hardware.py) or fitted (rdu/fitted.json)")
+    p.add_argument(
+        "--constants",
+        default="published",
+        choices=CONSTANTS,
+        help="free constants: published/assumed (rdu/hardware.py) or fitted (rdu/fitted.json)",
+    )
     p.add_argument("--validate", action="store_true", help="print the validation table and exit")
     p.add_argument("--json", action="store_true")
     p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report (graph, mapping, timeline)")
@@ -71,8 +80,16 @@ def run(args) -> int:
     n_gpus = getattr(args, "gpus", 1)
     if not 1 <= n_gpus <= 8:
         return _fail(f"--gpus must be in 1..8 (one node), got {n_gpus}")
-    a = analyze(cfg, args.batch, args.context, sockets, hbm_tb_s=args.hbm_tb_s, gpu_name=args.gpu,
-                constants=getattr(args, "constants", "published"), n_gpus=n_gpus)
+    a = analyze(
+        cfg,
+        args.batch,
+        args.context,
+        sockets,
+        hbm_tb_s=args.hbm_tb_s,
+        gpu_name=args.gpu,
+        constants=getattr(args, "constants", "published"),
+        n_gpus=n_gpus,
+    )
     if not a.fitting:  # no socket count asked for holds the model: say why (the first reason), exit 2
         return _fail(a.runs[0].reason)
     for line in a.lines:

@@ -37,23 +37,31 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rdu.anchors import A, DGX_ROW, H200_ROWS, KL_MODELS, PEAK_16, SN40L_ROWS, GPURow
+from rdu.anchors import DGX_ROW, H200_ROWS, KL_MODELS, PEAK_16, SN40L_ROWS, A, GPURow
 from rdu.hardware import FITTED_PATH, GPU_FREE, H100, H200, SN40L_FREE, GPUSpec, RDUSpec, sn40l
 from rdu.mapping import ALLREDUCES_PER_LAYER, Kernel, Mapping, ModelDoesNotFit
 from rdu.simulate import _socket_bytes, allreduce_s, gpu_kernel_terms, pipeline_depth
 
 RDU_KEYS = SN40L_FREE
 GPU_KEYS = GPU_FREE
-EFFICIENCIES = frozenset({"hbm_efficiency", "gemv_efficiency", "gemm_efficiency", "attention_efficiency",
-                          "flat_gemm_efficiency", "split_k_efficiency"})
+EFFICIENCIES = frozenset(
+    {
+        "hbm_efficiency",
+        "gemv_efficiency",
+        "gemm_efficiency",
+        "attention_efficiency",
+        "flat_gemm_efficiency",
+        "split_k_efficiency",
+    }
+)
 PRIOR_WEIGHT = 0.01  # per (log or logit) unit squared, next to a squared log error per row
 ASSUMED_GPU = frozenset({"kernel_overhead_s", "eager_op_s"})  # no measurement behind them: weaker prior
 
@@ -90,10 +98,25 @@ class RDUFeatures:
     sockets: int
 
 
-jax.tree_util.register_dataclass(RDUFeatures, data_fields=["calls", "iters", "n", "is_layer", "hbm_bytes",
-                                                           "ddr_bytes", "compute_s", "comm_steps", "comm_bw_s",
-                                                           "depth", "hbm_bw",
-                                                           "ddr_bw", "model_bytes"], meta_fields=["sockets"])
+jax.tree_util.register_dataclass(
+    RDUFeatures,
+    data_fields=[
+        "calls",
+        "iters",
+        "n",
+        "is_layer",
+        "hbm_bytes",
+        "ddr_bytes",
+        "compute_s",
+        "comm_steps",
+        "comm_bw_s",
+        "depth",
+        "hbm_bw",
+        "ddr_bw",
+        "model_bytes",
+    ],
+    meta_fields=["sockets"],
+)
 
 
 def rdu_features(m: Mapping) -> RDUFeatures:
@@ -108,11 +131,28 @@ def rdu_features(m: Mapping) -> RDUFeatures:
         share = ALLREDUCES_PER_LAYER if k.is_layer else 0.5 if k.role == "classifier" else 0.0
         steps = share * allreduce_s(0.0, p, 1.0, hw.p2p_bw)  # all-reduce latency = steps * p2p_latency_s
         bw_s = share * allreduce_s(m.activation_bytes if k.is_layer else k.other_bytes, p, 0.0, hw.p2p_bw)
-        rows.append((k.calls, k.iterations, k.calls * k.iterations, float(k.is_layer), f * b, (1 - f) * b,
-                     compute, steps, bw_s, pipeline_depth(k, m)))
+        rows.append(
+            (
+                k.calls,
+                k.iterations,
+                k.calls * k.iterations,
+                float(k.is_layer),
+                f * b,
+                (1 - f) * b,
+                compute,
+                steps,
+                bw_s,
+                pipeline_depth(k, m),
+            )
+        )
     cols = [np.asarray(c, dtype=np.float64) for c in zip(*rows)]
-    return RDUFeatures(*cols, hbm_bw=hw.hbm_bw, ddr_bw=hw.ddr_bw,
-                       model_bytes=float(sum(k.calls * k.iterations * k.bytes for k in m.kernels)), sockets=p)
+    return RDUFeatures(
+        *cols,
+        hbm_bw=hw.hbm_bw,
+        ddr_bw=hw.ddr_bw,
+        model_bytes=float(sum(k.calls * k.iterations * k.bytes for k in m.kernels)),
+        sockets=p,
+    )
 
 
 def rdu_time(c: dict, f: RDUFeatures, looped: bool = True):
@@ -127,8 +167,7 @@ def rdu_time(c: dict, f: RDUFeatures, looped: bool = True):
     else:
         calls, iters = jnp.where(layer, f.n, f.calls), jnp.where(layer, 1.0, f.iters)
         tail = comm / ALLREDUCES_PER_LAYER  # the all-reduce that ends a layer's call
-        it = jnp.where(layer, jnp.maximum(mem, f.compute_s + comm - tail) + tail,
-                       jnp.maximum(mem, f.compute_s) + comm)
+        it = jnp.where(layer, jnp.maximum(mem, f.compute_s + comm - tail) + tail, jnp.maximum(mem, f.compute_s) + comm)
     return jnp.sum(calls * per_call + calls * iters * it)
 
 
@@ -154,32 +193,84 @@ class GPUFeatures:
     model_bytes: float
 
 
-jax.tree_util.register_dataclass(GPUFeatures, data_fields=["n", "count", "weight_bytes", "kv_bytes", "other_bytes",
-                                                           "copy_bytes", "compute_s", "comm_s", "eager", "gemv", "read_bw",
-                                                           "copy_bw", "model_bytes"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    GPUFeatures,
+    data_fields=[
+        "n",
+        "count",
+        "weight_bytes",
+        "kv_bytes",
+        "other_bytes",
+        "copy_bytes",
+        "compute_s",
+        "comm_s",
+        "eager",
+        "gemv",
+        "read_bw",
+        "copy_bw",
+        "model_bytes",
+    ],
+    meta_fields=[],
+)
 
 
-def gpu_features(kernels: list[Kernel], gpu: GPUSpec, *, batch: int = 1, mode: str = "xla", n_gpus: int = 1,
-                 kv_heads: int = 8, activation_bytes: int = 0, logits_bytes: int = 0,
-                 kernels_per_layer: int | None = None) -> GPUFeatures:
+def gpu_features(
+    kernels: list[Kernel],
+    gpu: GPUSpec,
+    *,
+    batch: int = 1,
+    mode: str = "xla",
+    n_gpus: int = 1,
+    kv_heads: int = 8,
+    activation_bytes: int = 0,
+    logits_bytes: int = 0,
+    kernels_per_layer: int | None = None,
+) -> GPUFeatures:
     """Read the fixed inputs of `simulate_gpu` (same arguments, same `gpu_kernel_terms`)."""
     rows = []
     for k in kernels:
-        t = gpu_kernel_terms(k, gpu, mode=mode, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes,
-                             logits_bytes=logits_bytes, kernels_per_layer=kernels_per_layer)
-        rows.append((k.calls * k.iterations, t.count, t.weight_bytes, t.kv_bytes, t.other_bytes, t.copy_bytes,
-                     t.compute_s, t.comm_s))
+        t = gpu_kernel_terms(
+            k,
+            gpu,
+            mode=mode,
+            n_gpus=n_gpus,
+            kv_heads=kv_heads,
+            activation_bytes=activation_bytes,
+            logits_bytes=logits_bytes,
+            kernels_per_layer=kernels_per_layer,
+        )
+        rows.append(
+            (
+                k.calls * k.iterations,
+                t.count,
+                t.weight_bytes,
+                t.kv_bytes,
+                t.other_bytes,
+                t.copy_bytes,
+                t.compute_s,
+                t.comm_s,
+            )
+        )
     cols = [np.asarray(c, dtype=np.float64) for c in zip(*rows)]
-    return GPUFeatures(*cols, eager=float(mode == "eager"), gemv=float(batch == 1), read_bw=gpu.read_bw,
-                       copy_bw=gpu.copy_bw, model_bytes=float(sum(k.calls * k.iterations * k.bytes for k in kernels)))
+    return GPUFeatures(
+        *cols,
+        eager=float(mode == "eager"),
+        gemv=float(batch == 1),
+        read_bw=gpu.read_bw,
+        copy_bw=gpu.copy_bw,
+        model_bytes=float(sum(k.calls * k.iterations * k.bytes for k in kernels)),
+    )
 
 
 def gpu_time(c: dict, f: GPUFeatures):
     """Per-token time (s) of `simulate_gpu` as a `jnp` function of the constants `c`."""
     overhead = jnp.where(f.eager > 0, c["eager_op_s"], c["kernel_overhead_s"])
     eff = jnp.where(f.gemv > 0, c["gemv_efficiency"], c["gemm_efficiency"])
-    mem = (f.weight_bytes / (eff * f.read_bw) + f.kv_bytes / (c["attention_efficiency"] * f.read_bw)
-           + f.other_bytes / f.read_bw)
+    mem = (
+        f.weight_bytes / (eff * f.read_bw)
+        + f.kv_bytes / (c["attention_efficiency"] * f.read_bw)
+        + f.other_bytes / f.read_bw
+    )
     mem = mem + f.copy_bytes / f.copy_bw
     it = f.count * overhead + jnp.maximum(mem, f.compute_s) + f.comm_s
     return jnp.sum(f.n * it)
@@ -198,9 +289,17 @@ def _gpu_row_features(row: GPURow) -> GPUFeatures:
     all_kernels = fuse(g)
     kernels = [k for k in all_kernels if k.role != "sampling"]
     spec = H100 if row.gpu == "h100" else H200
-    return gpu_features(kernels, spec, batch=row.batch, mode=row.mode, n_gpus=row.n_gpus, kv_heads=cfg.n_kv_heads,
-                        activation_bytes=row.batch * cfg.dim * 2, kernels_per_layer=row.kernels_per_layer,
-                        logits_bytes=sum(k.other_bytes for k in all_kernels if k.role == "sampling"))
+    return gpu_features(
+        kernels,
+        spec,
+        batch=row.batch,
+        mode=row.mode,
+        n_gpus=row.n_gpus,
+        kv_heads=cfg.n_kv_heads,
+        activation_bytes=row.batch * cfg.dim * 2,
+        kernels_per_layer=row.kernels_per_layer,
+        logits_bytes=sum(k.other_bytes for k in all_kernels if k.role == "sampling"),
+    )
 
 
 def sn40l_configs() -> dict[tuple[str, int, int], RDUFeatures]:
@@ -233,9 +332,17 @@ def sn40l_predictions(c: dict, feats: dict) -> dict[str, jax.Array]:
     def roof(name, p):
         return 100.0 * feats[(name, p, 1)].model_bytes / (p * PEAK_16) / t[(name, p, 1)][0]
 
-    vals = [jnp.max(one), jnp.exp(jnp.mean(jnp.log(geo))), roof("llama-3.1-8b", 16), roof("llama-3.1-70b", 16),
-            1.0 / t[("llama-3.1-8b", 16, 1)][0], jnp.max(multi), roof("llama-3.1-8b", 8), roof("llama-3.1-70b", 8),
-            1.0 / t[("llama-3.1-8b", 8, 1)][0]]
+    vals = [
+        jnp.max(one),
+        jnp.exp(jnp.mean(jnp.log(geo))),
+        roof("llama-3.1-8b", 16),
+        roof("llama-3.1-70b", 16),
+        1.0 / t[("llama-3.1-8b", 16, 1)][0],
+        jnp.max(multi),
+        roof("llama-3.1-8b", 8),
+        roof("llama-3.1-70b", 8),
+        1.0 / t[("llama-3.1-8b", 8, 1)][0],
+    ]
     return dict(zip([r.what for r in SN40L_ROWS], vals))
 
 
@@ -285,8 +392,9 @@ def _tied(c: dict) -> dict:
     return dict(c, gemm_efficiency=c["gemv_efficiency"])
 
 
-def fit_gpu(feats: list[GPUFeatures], rows=H200_ROWS, steps: int = 600, lr: float = 0.05,
-            batch_dependent: bool = True) -> tuple[dict, float]:
+def fit_gpu(
+    feats: list[GPUFeatures], rows=H200_ROWS, steps: int = 600, lr: float = 0.05, batch_dependent: bool = True
+) -> tuple[dict, float]:
     """Fit the GPU constants on the train rows; `batch_dependent=False` ties gemm to gemv efficiency."""
     train = [(f, r) for f, r in zip(feats, rows) if r.split == "train"]
     view: Callable[[dict], dict] = (lambda c: c) if batch_dependent else _tied
@@ -330,49 +438,97 @@ def run_fit(steps: int = 600) -> dict:
     for r, f in zip(H200_ROWS, gfeats):
         pub, fit = 1e3 * float(gpu_time(gpub, f)), 1e3 * float(gpu_time(gpu_fit, f))
         flat = 1e3 * float(gpu_time(flat_fit, f))
-        rows.append({"group": "h200", "what": r.what, "split": r.split, "mode": r.mode, "batch": r.batch,
-                     "context": r.context, "target": r.measured_ms, "unit": "ms/step", "source": r.source,
-                     "published_model": pub, "fitted_model": fit, "published_err_pct": _err(pub, r.measured_ms),
-                     "fitted_err_pct": _err(fit, r.measured_ms), "no_batch_term_model": flat,
-                     "no_batch_term_err_pct": _err(flat, r.measured_ms)})
+        rows.append(
+            {
+                "group": "h200",
+                "what": r.what,
+                "split": r.split,
+                "mode": r.mode,
+                "batch": r.batch,
+                "context": r.context,
+                "target": r.measured_ms,
+                "unit": "ms/step",
+                "source": r.source,
+                "published_model": pub,
+                "fitted_model": fit,
+                "published_err_pct": _err(pub, r.measured_ms),
+                "fitted_err_pct": _err(fit, r.measured_ms),
+                "no_batch_term_model": flat,
+                "no_batch_term_err_pct": _err(flat, r.measured_ms),
+            }
+        )
     f = _gpu_row_features(DGX_ROW)
     pub, fit = 1e3 * float(gpu_time(gpub, f)), 1e3 * float(gpu_time(gpu_fit, f))
-    rows.append({"group": "dgx_h100", "what": DGX_ROW.what, "split": "report only", "mode": "fixed", "batch": 1,
-                 "target": DGX_ROW.measured_ms, "unit": "ms/step", "source": DGX_ROW.source, "published_model": pub,
-                 "fitted_model": fit, "published_err_pct": _err(pub, DGX_ROW.measured_ms),
-                 "fitted_err_pct": _err(fit, DGX_ROW.measured_ms)})
+    rows.append(
+        {
+            "group": "dgx_h100",
+            "what": DGX_ROW.what,
+            "split": "report only",
+            "mode": "fixed",
+            "batch": 1,
+            "target": DGX_ROW.measured_ms,
+            "unit": "ms/step",
+            "source": DGX_ROW.source,
+            "published_model": pub,
+            "fitted_model": fit,
+            "published_err_pct": _err(pub, DGX_ROW.measured_ms),
+            "fitted_err_pct": _err(fit, DGX_ROW.measured_ms),
+        }
+    )
     rpub = rdu_constants(sn40l())
     p_pub, p_fit = sn40l_predictions(rpub, rfeats), sn40l_predictions(rdu_fit, rfeats)
     for r in SN40L_ROWS:
         a, b = float(p_pub[r.what]), float(p_fit[r.what])
-        rows.append({"group": "sn40l", "what": r.what, "split": r.split, "target": r.target, "source": r.source,
-                     "published_model": a, "fitted_model": b, "published_err_pct": _err(a, r.target),
-                     "fitted_err_pct": _err(b, r.target)})
+        rows.append(
+            {
+                "group": "sn40l",
+                "what": r.what,
+                "split": r.split,
+                "target": r.target,
+                "source": r.source,
+                "published_model": a,
+                "fitted_model": b,
+                "published_err_pct": _err(a, r.target),
+                "fitted_err_pct": _err(b, r.target),
+            }
+        )
     summary = {}
     for grp in ("h200", "sn40l"):
         for split in ("train", "test"):
             sub = [x for x in rows if x["group"] == grp and x["split"] == split]
-            summary[f"{grp}_{split}"] = {"published": summarize([x["published_err_pct"] for x in sub]),
-                                         "fitted": summarize([x["fitted_err_pct"] for x in sub])}
+            summary[f"{grp}_{split}"] = {
+                "published": summarize([x["published_err_pct"] for x in sub]),
+                "fitted": summarize([x["fitted_err_pct"] for x in sub]),
+            }
         sub = [x for x in rows if x["group"] == grp]
-        summary[f"{grp}_all"] = {"published": summarize([x["published_err_pct"] for x in sub]),
-                                 "fitted": summarize([x["fitted_err_pct"] for x in sub])}
+        summary[f"{grp}_all"] = {
+            "published": summarize([x["published_err_pct"] for x in sub]),
+            "fitted": summarize([x["fitted_err_pct"] for x in sub]),
+        }
     # Held-out H200 rows by who measured them: our engine (BENCHMARKS.md) or the plain-JAX peer
     # (h200-anchors.md), which disagree at batch 8/32 (rdu.anchors.CONFLICTS).
     for name, peer in (("h200_test_ours", False), ("h200_test_peer", True)):
         sub = [x for x in rows if x["group"] == "h200" and x["split"] == "test" and (x["source"] == A) == peer]
-        summary[name] = {"published": summarize([x["published_err_pct"] for x in sub]),
-                         "fitted": summarize([x["fitted_err_pct"] for x in sub])}
+        summary[name] = {
+            "published": summarize([x["published_err_pct"] for x in sub]),
+            "fitted": summarize([x["fitted_err_pct"] for x in sub]),
+        }
     for key in [k for k in summary if k.startswith("h200")]:
         split = {"train": "train", "test": "test"}.get(key.split("_")[1])
-        sub = [x for x in rows if x["group"] == "h200" and (split is None or x["split"] == split)
-               and (key not in ("h200_test_ours", "h200_test_peer") or (x["source"] == A) == key.endswith("peer"))]
+        sub = [
+            x
+            for x in rows
+            if x["group"] == "h200"
+            and (split is None or x["split"] == split)
+            and (key not in ("h200_test_ours", "h200_test_peer") or (x["source"] == A) == key.endswith("peer"))
+        ]
         summary[key]["no_batch_term"] = summarize([x["no_batch_term_err_pct"] for x in sub])
     suite = [x for x in rows if x["group"] == "h200" and x["what"].startswith("suite unrolled")]
     for split in ("train", "test", "all"):
         sub = [x for x in suite if split in ("all", x["split"])]
-        summary[f"h200_unrolled_{split}"] = {k: summarize([x[f"{k}_err_pct"] for x in sub])
-                                            for k in ("published", "fitted")}
+        summary[f"h200_unrolled_{split}"] = {
+            k: summarize([x[f"{k}_err_pct"] for x in sub]) for k in ("published", "fitted")
+        }
     from rdu.fit_inplace import run_inplace
 
     inplace = run_inplace(gpu_fit, steps=steps)
@@ -381,36 +537,60 @@ def run_fit(steps: int = 600) -> dict:
     return {
         "what": "free constants of the rdu cost model, fitted with optax Adam on log/logit parameters",
         "loss": "mean squared log error over the train rows + %g x sum (free param - published)^2" % PRIOR_WEIGHT,
-        "steps": steps, "fit_seconds": round(time.time() - t0, 1),
+        "steps": steps,
+        "fit_seconds": round(time.time() - t0, 1),
         "note": "launch_s and sync_s reach the time only as a sum; their split is the prior's",
-        "sn40l": {"published": rpub, "fitted": rdu_fit, "train_loss": rdu_loss, "hbm_tb_s": 1.8,
-                  "fit_rows": [r.what for r in SN40L_ROWS if r.split == "train"],
-                  "held_out_rows": [r.what for r in SN40L_ROWS if r.split == "test"]},
-        "gpu": {"published": gpub, "fitted": gpu_fit, "train_loss": gpu_loss, "gpu": "h200 (also used for h100)",
-                "no_batch_term_fitted": flat_fit, "no_batch_term_train_loss": flat_loss,
-                "fit_rows": [r.what for r in H200_ROWS if r.split == "train"],
-                "held_out_rows": [r.what for r in H200_ROWS if r.split == "test"]},
+        "sn40l": {
+            "published": rpub,
+            "fitted": rdu_fit,
+            "train_loss": rdu_loss,
+            "hbm_tb_s": 1.8,
+            "fit_rows": [r.what for r in SN40L_ROWS if r.split == "train"],
+            "held_out_rows": [r.what for r in SN40L_ROWS if r.split == "test"],
+        },
+        "gpu": {
+            "published": gpub,
+            "fitted": gpu_fit,
+            "train_loss": gpu_loss,
+            "gpu": "h200 (also used for h100)",
+            "no_batch_term_fitted": flat_fit,
+            "no_batch_term_train_loss": flat_loss,
+            "fit_rows": [r.what for r in H200_ROWS if r.split == "train"],
+            "held_out_rows": [r.what for r in H200_ROWS if r.split == "test"],
+        },
         "gpu_inplace": inplace,
-        "rows": rows, "summary": summary,
+        "rows": rows,
+        "summary": summary,
     }
 
 
 def format_record(rec: dict) -> str:
     lines = [f"{'group':6s} {'split':7s} {'row':62s} {'target':>9s} {'publ.':>9s} {'Δ%':>7s} {'fitted':>9s} {'Δ%':>7s}"]
     for x in rec["rows"]:
-        lines.append(f"{x['group'][-6:]:6s} {x['split'][:7]:7s} {x['what'][:62]:62s} {x['target']:9.4g} "
-                     f"{x['published_model']:9.4g} {x['published_err_pct']:+7.1f} {x['fitted_model']:9.4g} "
-                     f"{x['fitted_err_pct']:+7.1f}")
+        lines.append(
+            f"{x['group'][-6:]:6s} {x['split'][:7]:7s} {x['what'][:62]:62s} {x['target']:9.4g} "
+            f"{x['published_model']:9.4g} {x['published_err_pct']:+7.1f} {x['fitted_model']:9.4g} "
+            f"{x['fitted_err_pct']:+7.1f}"
+        )
     for k, v in rec["summary"].items():
         p, f = v["published"], v["fitted"]
         flat = v.get("no_batch_term")
-        lines.append(f"{k:15s} ({p['rows']:2d} rows): published MAPE {p['mape_pct']:5.1f}% max {p['max_abs_err_pct']:5.1f}%"
-                     f"  | fitted MAPE {f['mape_pct']:5.1f}% max {f['max_abs_err_pct']:5.1f}%"
-                     + (f"  | fitted without batch term {flat['mape_pct']:5.1f}% max {flat['max_abs_err_pct']:5.1f}%"
-                        if flat else ""))
+        lines.append(
+            f"{k:15s} ({p['rows']:2d} rows): published MAPE {p['mape_pct']:5.1f}% max {p['max_abs_err_pct']:5.1f}%"
+            f"  | fitted MAPE {f['mape_pct']:5.1f}% max {f['max_abs_err_pct']:5.1f}%"
+            + (
+                f"  | fitted without batch term {flat['mape_pct']:5.1f}% max {flat['max_abs_err_pct']:5.1f}%"
+                if flat
+                else ""
+            )
+        )
     for grp in ("sn40l", "gpu", "gpu_inplace"):
-        lines.append(f"{grp} constants: " + ", ".join(
-            f"{k} {rec[grp]['published'][k]:.4g} -> {rec[grp]['fitted'][k]:.4g}" for k in rec[grp]["fitted"]))
+        lines.append(
+            f"{grp} constants: "
+            + ", ".join(
+                f"{k} {rec[grp]['published'][k]:.4g} -> {rec[grp]['fitted'][k]:.4g}" for k in rec[grp]["fitted"]
+            )
+        )
     return "\n".join(lines)
 
 

@@ -43,27 +43,73 @@ class InplaceFeatures:
     read_bw: float
 
 
-jax.tree_util.register_dataclass(InplaceFeatures, data_fields=["xla", "n", "kernels", "gemm_bytes", "kv_bytes",
-                                                               "other_bytes", "compute_s", "comm_s", "log_m",
-                                                               "peak_bw", "read_bw"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    InplaceFeatures,
+    data_fields=[
+        "xla",
+        "n",
+        "kernels",
+        "gemm_bytes",
+        "kv_bytes",
+        "other_bytes",
+        "compute_s",
+        "comm_s",
+        "log_m",
+        "peak_bw",
+        "read_bw",
+    ],
+    meta_fields=[],
+)
 
 
-def inplace_features(kernels, gpu: GPUSpec, *, batch: int, n_gpus: int = 1, kv_heads: int = 8,
-                     activation_bytes: int = 0, logits_bytes: int = 0, allreduce: str = "psum") -> InplaceFeatures:
+def inplace_features(
+    kernels,
+    gpu: GPUSpec,
+    *,
+    batch: int,
+    n_gpus: int = 1,
+    kv_heads: int = 8,
+    activation_bytes: int = 0,
+    logits_bytes: int = 0,
+    allreduce: str = "psum",
+) -> InplaceFeatures:
     layer = next(k for k in kernels if k.is_layer)
-    t = inplace_terms(layer, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes,
-                      allreduce=allreduce)
-    rest = gpu_features([k for k in kernels if not k.is_layer], gpu, batch=batch, mode="xla", n_gpus=n_gpus,
-                        kv_heads=kv_heads, activation_bytes=activation_bytes, logits_bytes=logits_bytes)
-    return InplaceFeatures(rest, float(layer.calls * layer.iterations), float(t.kernels), t.gemm_bytes, t.kv_bytes,
-                           t.other_bytes, t.compute_s, t.comm_s, float(np.log(batch)), gpu.hbm_bw, gpu.read_bw)
+    t = inplace_terms(
+        layer, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes, allreduce=allreduce
+    )
+    rest = gpu_features(
+        [k for k in kernels if not k.is_layer],
+        gpu,
+        batch=batch,
+        mode="xla",
+        n_gpus=n_gpus,
+        kv_heads=kv_heads,
+        activation_bytes=activation_bytes,
+        logits_bytes=logits_bytes,
+    )
+    return InplaceFeatures(
+        rest,
+        float(layer.calls * layer.iterations),
+        float(t.kernels),
+        t.gemm_bytes,
+        t.kv_bytes,
+        t.other_bytes,
+        t.compute_s,
+        t.comm_s,
+        float(np.log(batch)),
+        gpu.hbm_bw,
+        gpu.read_bw,
+    )
 
 
 def inplace_time(c_xla: dict, c: dict, f: InplaceFeatures):
     """Per-token time (s) of `simulate_gpu(mode="looped_inplace")` as a `jnp` function."""
     eff = c["flat_gemm_efficiency"] * jnp.exp(-c["flat_gemm_m_exponent"] * f.log_m)
-    mem = (f.gemm_bytes / (eff * f.peak_bw) + f.kv_bytes / (c["split_k_efficiency"] * f.peak_bw)
-           + f.other_bytes / f.read_bw)
+    mem = (
+        f.gemm_bytes / (eff * f.peak_bw)
+        + f.kv_bytes / (c["split_k_efficiency"] * f.peak_bw)
+        + f.other_bytes / f.read_bw
+    )
     layer = f.kernels * c["inplace_kernel_gap_s"] + jnp.maximum(mem, f.compute_s) + f.comm_s
     return f.n * layer + gpu_time(c_xla, f.xla)
 
@@ -78,14 +124,21 @@ def row_features(row: GPURow) -> tuple[InplaceFeatures, GPUFeatures]:
     all_kernels = fuse(trace_decode_step(cfg, row.batch, row.context, looped=False))
     kernels = [k for k in all_kernels if k.role != "sampling"]
     spec = H100 if row.gpu == "h100" else H200
-    kw = dict(n_gpus=row.n_gpus, kv_heads=cfg.n_kv_heads, activation_bytes=row.batch * cfg.dim * 2,
-              logits_bytes=sum(k.other_bytes for k in all_kernels if k.role == "sampling"))
-    return (inplace_features(kernels, spec, batch=row.batch, allreduce=row.allreduce, **kw),
-            gpu_features(kernels, spec, batch=row.batch, mode="xla", **kw))
+    kw = dict(
+        n_gpus=row.n_gpus,
+        kv_heads=cfg.n_kv_heads,
+        activation_bytes=row.batch * cfg.dim * 2,
+        logits_bytes=sum(k.other_bytes for k in all_kernels if k.role == "sampling"),
+    )
+    return (
+        inplace_features(kernels, spec, batch=row.batch, allreduce=row.allreduce, **kw),
+        gpu_features(kernels, spec, batch=row.batch, mode="xla", **kw),
+    )
 
 
-def fit_inplace(feats: list[InplaceFeatures], rows, c_xla: dict, steps: int = 600,
-                lr: float = 0.05) -> tuple[dict, float]:
+def fit_inplace(
+    feats: list[InplaceFeatures], rows, c_xla: dict, steps: int = 600, lr: float = 0.05
+) -> tuple[dict, float]:
     """Fit the in-place constants on `rows` (all of them: pick the split before calling)."""
     cx = {k: float(v) for k, v in c_xla.items()}
 
@@ -113,26 +166,54 @@ def run_inplace(c_xla: dict, steps: int = 600) -> dict:
         rows.append(_row(r, c_xla, pub, fitted, f, fx, loo_model=_ms(c_xla, c_loo, f)))
     tp = [_row(r, c_xla, pub, fitted, *row_features(r)) for r in INPLACE_TP_ROWS]
     summary = {}
-    for name, sub in (("train", [x for x in rows if x["split"] == "train"]),
-                      ("test", [x for x in rows if x["split"] == "test"]), ("all", rows), ("tp", tp)):
-        summary[f"h200_inplace_{name}"] = {k: summarize([x[f"{k}_err_pct"] for x in sub])
-                                           for k in ("published", "fitted", "before_xla")}
-    summary["h200_inplace_loo"] = {"published": summary["h200_inplace_all"]["published"],
-                                   "fitted": summarize([x["loo_err_pct"] for x in rows])}
-    return {"published": pub, "fitted": fitted, "train_loss": loss, "xla_constants": dict(c_xla),
-            "fit_rows": [INPLACE_ROWS[i].what for i in train],
-            "held_out_rows": [r.what for r in INPLACE_ROWS if r.split == "test"],
-            "loo_fitted": loo, "rows": rows + tp, "summary": summary}
+    for name, sub in (
+        ("train", [x for x in rows if x["split"] == "train"]),
+        ("test", [x for x in rows if x["split"] == "test"]),
+        ("all", rows),
+        ("tp", tp),
+    ):
+        summary[f"h200_inplace_{name}"] = {
+            k: summarize([x[f"{k}_err_pct"] for x in sub]) for k in ("published", "fitted", "before_xla")
+        }
+    summary["h200_inplace_loo"] = {
+        "published": summary["h200_inplace_all"]["published"],
+        "fitted": summarize([x["loo_err_pct"] for x in rows]),
+    }
+    return {
+        "published": pub,
+        "fitted": fitted,
+        "train_loss": loss,
+        "xla_constants": dict(c_xla),
+        "fit_rows": [INPLACE_ROWS[i].what for i in train],
+        "held_out_rows": [r.what for r in INPLACE_ROWS if r.split == "test"],
+        "loo_fitted": loo,
+        "rows": rows + tp,
+        "summary": summary,
+    }
 
 
 def _row(r: GPURow, c_xla, pub, fitted, f, fx, loo_model: float | None = None) -> dict:
     a, b, x = _ms(c_xla, pub, f), _ms(c_xla, fitted, f), 1e3 * float(gpu_time(c_xla, fx))
-    out = {"group": "h200_inplace" if r.split != "report only" else "h200_inplace_tp", "what": r.what,
-           "model": r.model, "split": r.split, "mode": r.mode, "batch": r.batch, "context": r.context,
-           "n_gpus": r.n_gpus, "allreduce": r.allreduce, "target": r.measured_ms, "unit": "ms/step",
-           "source": r.source,
-           "published_model": a, "fitted_model": b, "published_err_pct": _err(a, r.measured_ms),
-           "fitted_err_pct": _err(b, r.measured_ms), "before_xla_model": x, "before_xla_err_pct": _err(x, r.measured_ms)}
+    out = {
+        "group": "h200_inplace" if r.split != "report only" else "h200_inplace_tp",
+        "what": r.what,
+        "model": r.model,
+        "split": r.split,
+        "mode": r.mode,
+        "batch": r.batch,
+        "context": r.context,
+        "n_gpus": r.n_gpus,
+        "allreduce": r.allreduce,
+        "target": r.measured_ms,
+        "unit": "ms/step",
+        "source": r.source,
+        "published_model": a,
+        "fitted_model": b,
+        "published_err_pct": _err(a, r.measured_ms),
+        "fitted_err_pct": _err(b, r.measured_ms),
+        "before_xla_model": x,
+        "before_xla_err_pct": _err(x, r.measured_ms),
+    }
     if loo_model is not None:
         out.update(loo_model=loo_model, loo_err_pct=_err(loo_model, r.measured_ms))
     return out

@@ -65,7 +65,11 @@ def _operand_values(g: DataflowGraph) -> dict[int, list]:
         operands: dict[int, dict[int, object]] = {}
         for e in graph.edges:
             if e.dst != -1:
-                src = env.get(e.src_port, ("in", id(graph), e.src_port)) if e.src == -1 else (id(graph), e.src, e.src_port)
+                src = (
+                    env.get(e.src_port, ("in", id(graph), e.src_port))
+                    if e.src == -1
+                    else (id(graph), e.src, e.src_port)
+                )
                 operands.setdefault(e.dst, {})[e.dst_port] = src
         for n in graph.nodes:  # program order: a view's result resolves to its operand
             ports = operands.get(n.id, {})
@@ -106,8 +110,9 @@ def inplace_kernel_counts(layer: DataflowGraph) -> tuple[int, int]:
 ALLREDUCE_IMPLS = ("psum", "kernel")
 
 
-def inplace_terms(k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8,
-                  activation_bytes: int = 0, allreduce: str = "psum") -> InplaceTerms:
+def inplace_terms(
+    k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8, activation_bytes: int = 0, allreduce: str = "psum"
+) -> InplaceTerms:
     """The terms of one decoder kernel (weights split n ways, KV over min(n, kv_heads) shards).
 
     Tensor-parallel all-reduces: "psum" charges NCCL's measured latency plus the ring's NVLink bytes
@@ -127,17 +132,27 @@ def inplace_terms(k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8
     else:
         per_call = gpu_allreduce_s(activation_bytes, n_gpus, gpu)
     comm = ALLREDUCES_PER_LAYER * per_call
-    return InplaceTerms(count, gemms, k.weight_bytes / n_gpus, k.cache_read_bytes / shards,
-                        k.cache_write_bytes / shards + k.other_bytes, k.flops / n_gpus / gpu.achieved_flops, comm)
+    return InplaceTerms(
+        count,
+        gemms,
+        k.weight_bytes / n_gpus,
+        k.cache_read_bytes / shards,
+        k.cache_write_bytes / shards + k.other_bytes,
+        k.flops / n_gpus / gpu.achieved_flops,
+        comm,
+    )
 
 
 def flat_gemm_efficiency(gpu: GPUSpec, m: int) -> float:
     """Our flat GEMM's bandwidth / peak at M = m rows."""
-    return gpu.flat_gemm_efficiency * m ** -gpu.flat_gemm_m_exponent
+    return gpu.flat_gemm_efficiency * m**-gpu.flat_gemm_m_exponent
 
 
 def inplace_layer_s(t: InplaceTerms, gpu: GPUSpec, batch: int) -> tuple[float, float]:
     """(memory seconds, whole layer seconds) of one layer call."""
-    mem = (t.gemm_bytes / (flat_gemm_efficiency(gpu, batch) * gpu.hbm_bw)
-           + t.kv_bytes / (gpu.split_k_efficiency * gpu.hbm_bw) + t.other_bytes / gpu.read_bw)
+    mem = (
+        t.gemm_bytes / (flat_gemm_efficiency(gpu, batch) * gpu.hbm_bw)
+        + t.kv_bytes / (gpu.split_k_efficiency * gpu.hbm_bw)
+        + t.other_bytes / gpu.read_bw
+    )
     return mem, t.kernels * gpu.inplace_kernel_gap_s + max(mem, t.compute_s) + t.comm_s

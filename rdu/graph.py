@@ -156,8 +156,10 @@ class DataflowGraph:
     def summary(self, depth: int = 0, max_depth: int = 3) -> str:
         """An indented outline: call/loop nodes with their costs, leaf ops counted by kind."""
         pad = "  " * depth
-        lines = [f"{pad}{self.name}: {len(self.nodes)} ops, {self.total_flops() / 1e9:.3f} GFLOP, "
-                 f"fused {self.fused_bytes / 1e9:.3f} GB"]
+        lines = [
+            f"{pad}{self.name}: {len(self.nodes)} ops, {self.total_flops() / 1e9:.3f} GFLOP, "
+            f"fused {self.fused_bytes / 1e9:.3f} GB"
+        ]
         if depth < max_depth:
             for n in self.nodes:
                 for c in n.children:

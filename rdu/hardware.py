@@ -32,10 +32,13 @@ def _check_constants(constants: str) -> None:
     if constants not in CONSTANTS:
         raise ValueError(f"constants must be one of {CONSTANTS}, got {constants!r}")
 
+
 # The three published SN40L HBM bandwidths per socket (bytes/s): choose one with `sn40l(hbm_tb_s=...)`.
-SN40L_HBM_CHOICES = {1.6: "successor paper 'Dataflow Is All You Need' (25.6 TB/s for 16 sockets)",
-                     1.8: "SN40L paper (arXiv 2405.07518) Table II",
-                     2.0: "SN40L paper §IV text ('about 2 TB/s per socket')"}
+SN40L_HBM_CHOICES = {
+    1.6: "successor paper 'Dataflow Is All You Need' (25.6 TB/s for 16 sockets)",
+    1.8: "SN40L paper (arXiv 2405.07518) Table II",
+    2.0: "SN40L paper §IV text ('about 2 TB/s per socket')",
+}
 
 
 class _Sourced:
@@ -46,8 +49,11 @@ class _Sourced:
 
     def table(self) -> list[tuple[str, object, str]]:
         src = dict(self.sources)
-        return [(f.name, getattr(self, f.name), src.get(f.name, "")) for f in fields(self)
-                if f.name not in ("sources", "name")]
+        return [
+            (f.name, getattr(self, f.name), src.get(f.name, ""))
+            for f in fields(self)
+            if f.name not in ("sources", "name")
+        ]
 
 
 @dataclass(frozen=True)
@@ -138,16 +144,31 @@ def sn40l(hbm_tb_s: float = 1.8, constants: str = "published") -> RDUSpec:
     c = load_fitted()["sn40l"]["fitted"]
     note = "fitted (rdu/fitted.json, python -m rdu.fit) to the Kernel Looping rows; published: "
     src = dict(spec.sources)
-    return replace(spec, name=spec.name + " fitted", **{k: c[k] for k in SN40L_FREE},
-                   sources=tuple((k, note + v if k in SN40L_FREE else v) for k, v in src.items()))
+    return replace(
+        spec,
+        name=spec.name + " fitted",
+        **{k: c[k] for k in SN40L_FREE},
+        sources=tuple((k, note + v if k in SN40L_FREE else v) for k, v in src.items()),
+    )
 
 
 def _sn40l(hbm_tb_s: float) -> RDUSpec:
     return RDUSpec(
         name=f"SN40L (HBM {hbm_tb_s} TB/s)",
-        pcus=1040, pmus=1040, sram_bytes=520 * MIB, pmu_bytes=512 * KIB, hbm_bytes=64 * GIB,
-        ddr_bytes=int(1.5 * TIB), bf16_flops=638e12, hbm_bw=hbm_tb_s * 1e12, ddr_bw=200e9,
-        hbm_efficiency=0.85, launch_s=1e-6, sync_s=2e-6, stage_fill_drain_s=0.5e-6, p2p_bw=100e9,
+        pcus=1040,
+        pmus=1040,
+        sram_bytes=520 * MIB,
+        pmu_bytes=512 * KIB,
+        hbm_bytes=64 * GIB,
+        ddr_bytes=int(1.5 * TIB),
+        bf16_flops=638e12,
+        hbm_bw=hbm_tb_s * 1e12,
+        ddr_bw=200e9,
+        hbm_efficiency=0.85,
+        launch_s=1e-6,
+        sync_s=2e-6,
+        stage_fill_drain_s=0.5e-6,
+        p2p_bw=100e9,
         p2p_latency_s=1.5e-6,
         max_sockets=16,
         sources=(
@@ -161,27 +182,51 @@ def _sn40l(hbm_tb_s: float) -> RDUSpec:
             ("hbm_bw", SN40L_HBM_CHOICES[hbm_tb_s]),
             ("ddr_bw", "SN40L paper Table II / text: over 200 GB/s"),
             ("hbm_efficiency", "SN40L paper §VI-B: a fused decoder layer saturates close to 85% of HBM BW"),
-            ("launch_s", "assumed 1 us: hardware-orchestrated launch (SN40L §IV-D), 'virtually zero kernel "
-                         "launch overheads' (§VI-B); no µs figure is published"),
-            ("sync_s", "assumed 2 us: the AGCU detects the end of a call on the control network and releases the "
-                       "next (SN40L §IV-D); no µs figure is published"),
-            ("stage_fill_drain_s", "assumed 0.5 us per pipeline stage: at a call boundary the pipeline drains "
-                                   "and the next call's fills, stage by stage, while HBM idles (KL paper; DIAYN "
-                                   "Fig. 11: HBM drops to ~0 at each layer boundary). Scales with the kernel's "
-                                   "depth from the traced graph: a decoder layer (53-56 stages) ~27 us, the LM "
-                                   "head (8) 4 us; no µs figure is published"),
+            (
+                "launch_s",
+                "assumed 1 us: hardware-orchestrated launch (SN40L §IV-D), 'virtually zero kernel "
+                "launch overheads' (§VI-B); no µs figure is published",
+            ),
+            (
+                "sync_s",
+                "assumed 2 us: the AGCU detects the end of a call on the control network and releases the "
+                "next (SN40L §IV-D); no µs figure is published",
+            ),
+            (
+                "stage_fill_drain_s",
+                "assumed 0.5 us per pipeline stage: at a call boundary the pipeline drains "
+                "and the next call's fills, stage by stage, while HBM idles (KL paper; DIAYN "
+                "Fig. 11: HBM drops to ~0 at each layer boundary). Scales with the kernel's "
+                "depth from the traced graph: a decoder layer (53-56 stages) ~27 us, the LM "
+                "head (8) 4 us; no µs figure is published",
+            ),
             ("p2p_bw", "assumed 100 GB/s per socket: SN40L P2P link bandwidth is NOT FOUND in any source"),
-            ("p2p_latency_s", "assumed 1.5 us per step of recursive halving/doubling (one link traversal, the "
-                              "AGCU P2P protocol, a remote PMU write and the reduce; SN40L §VII); NOT FOUND. "
-                              "On the carried activation's path, so looping cannot hide it"),
+            (
+                "p2p_latency_s",
+                "assumed 1.5 us per step of recursive halving/doubling (one link traversal, the "
+                "AGCU P2P protocol, a remote PMU write and the reduce; SN40L §VII); NOT FOUND. "
+                "On the carried activation's path, so looping cannot hide it",
+            ),
             ("max_sockets", "SambaRack SN40L-16 (KL paper: 8 and 16 sockets)"),
-        ))
+        ),
+    )
 
 
 H200 = GPUSpec(
-    name="NVIDIA H200 SXM", hbm_bytes=141 * 10**9, bf16_flops=989e12, achieved_flops=784e12, hbm_bw=4.8e12,
-    read_bw=4246e9, copy_bw=4275e9, gemv_efficiency=0.80, gemm_efficiency=0.87, attention_efficiency=0.71,
-    kernel_overhead_s=3e-6, eager_op_s=5e-6, nvlink_bw=450e9, allreduce_latency_s=20e-6,
+    name="NVIDIA H200 SXM",
+    hbm_bytes=141 * 10**9,
+    bf16_flops=989e12,
+    achieved_flops=784e12,
+    hbm_bw=4.8e12,
+    read_bw=4246e9,
+    copy_bw=4275e9,
+    gemv_efficiency=0.80,
+    gemm_efficiency=0.87,
+    attention_efficiency=0.71,
+    kernel_overhead_s=3e-6,
+    eager_op_s=5e-6,
+    nvlink_bw=450e9,
+    allreduce_latency_s=20e-6,
     sources=(
         ("hbm_bytes", "NVIDIA H200 datasheet: 141 GB HBM3e"),
         ("bf16_flops", "NVIDIA H200 datasheet: 989 TFLOP/s BF16 dense"),
@@ -189,47 +234,79 @@ H200 = GPUSpec(
         ("hbm_bw", "NVIDIA H200 datasheet: 4.8 TB/s"),
         ("read_bw", "h200-anchors.md: 4246 GB/s measured read ceiling (sum over 4 GiB)"),
         ("copy_bw", "h200-anchors.md: 4275 GB/s device-to-device copy (read + written)"),
-        ("gemv_efficiency", "BENCHMARKS.md kernels table: XLA unrolled 32 x [4096, 14336] at M=1, 80% of read; "
-                            "in the whole step XLA's M=1 path is slower (the fit lowers it on batch-1 rows)"),
-        ("gemm_efficiency", "h200-anchors.md: cuBLAS K=4096 N=14336 M=1..128 at 3.62-3.77 TB/s = 85-89% of read "
-                            "(M=256: 2.71 TB/s, compute-bound)"),
-        ("attention_efficiency", "BENCHMARKS.md kernels (KERNELS_RESULTS.md): XLA einsum decode attention, time vs "
-                                 "K+V bytes over B1 S8192 / B1 S32768 / B32 S8192 (38.6, 71.5, 389 us) has slope "
-                                 "3.06 TB/s = 71% of read (+28 us per call, the kernels' own overheads); "
-                                 "h200-anchors.md's 26.5% is host-clock timed (rdu.anchors.CONFLICTS)"),
-        ("kernel_overhead_s", "assumed 3 us: gap between back-to-back queued CUDA kernels (launch ~2-4 us); not "
-                              "measured here"),
+        (
+            "gemv_efficiency",
+            "BENCHMARKS.md kernels table: XLA unrolled 32 x [4096, 14336] at M=1, 80% of read; "
+            "in the whole step XLA's M=1 path is slower (the fit lowers it on batch-1 rows)",
+        ),
+        (
+            "gemm_efficiency",
+            "h200-anchors.md: cuBLAS K=4096 N=14336 M=1..128 at 3.62-3.77 TB/s = 85-89% of read "
+            "(M=256: 2.71 TB/s, compute-bound)",
+        ),
+        (
+            "attention_efficiency",
+            "BENCHMARKS.md kernels (KERNELS_RESULTS.md): XLA einsum decode attention, time vs "
+            "K+V bytes over B1 S8192 / B1 S32768 / B32 S8192 (38.6, 71.5, 389 us) has slope "
+            "3.06 TB/s = 71% of read (+28 us per call, the kernels' own overheads); "
+            "h200-anchors.md's 26.5% is host-clock timed (rdu.anchors.CONFLICTS)",
+        ),
+        (
+            "kernel_overhead_s",
+            "assumed 3 us: gap between back-to-back queued CUDA kernels (launch ~2-4 us); not measured here",
+        ),
         ("eager_op_s", "assumed 5 us: PyTorch eager host dispatch per op (commonly quoted 3-10 us)"),
         ("nvlink_bw", "NVIDIA H200 SXM: NVLink 900 GB/s bidirectional"),
-        ("allreduce_latency_s", "measured 2026-11-30 on 2 NVLink H200s: one jitted psum of [B, 4096] bf16 in a "
-                                "chain of 100 took 16.7-22.5 us (B = 1, 8; NCCL_PROTO=LL, XLA's one-shot kernel "
-                                "and sync collectives did not beat it; benchmarks/results_allreduce_variants.json, "
-                                "results_tp_gpu.json); 20 us taken"),
-        ("flat_gemm_efficiency", "KERNELS_RESULTS.md: ours_mosaic_loop over [32, 4096, 14336] at M=1, 3064 GB/s = "
-                                 "0.64 of the 4.8 TB/s peak (the in-place mode's efficiencies are of the peak: the "
-                                 "bench suite's KV-cache reads run past the jnp.sum ceiling)"),
+        (
+            "allreduce_latency_s",
+            "measured 2026-11-30 on 2 NVLink H200s: one jitted psum of [B, 4096] bf16 in a "
+            "chain of 100 took 16.7-22.5 us (B = 1, 8; NCCL_PROTO=LL, XLA's one-shot kernel "
+            "and sync collectives did not beat it; benchmarks/results_allreduce_variants.json, "
+            "results_tp_gpu.json); 20 us taken",
+        ),
+        (
+            "flat_gemm_efficiency",
+            "KERNELS_RESULTS.md: ours_mosaic_loop over [32, 4096, 14336] at M=1, 3064 GB/s = "
+            "0.64 of the 4.8 TB/s peak (the in-place mode's efficiencies are of the peak: the "
+            "bench suite's KV-cache reads run past the jnp.sum ceiling)",
+        ),
         ("flat_gemm_m_exponent", "KERNELS_RESULTS.md: the same loop at M=8, 2857 GB/s: ln(3064/2857) / ln 8 = 0.034"),
         ("split_k_efficiency", "KERNELS_RESULTS.md: ours_async decode attention B32 S8192, 3814 GB/s = 0.79 of peak"),
-        ("inplace_kernel_gap_s", "assumed 3 us, as kernel_overhead_s: the fixed cost of each kernel inside the "
-                                 "per-layer CUDA graph (its launch, ramp and drain; no gap between kernels)"),
-        ("p2p_allreduce_s", "measured 2026-11-30 16:37 UTC on 2 NVLink H200s: kernels.allreduce's barrier-free "
-                            "kernel (with the residual add) inside a TP2 Llama-3.1-8B batch-1 decode step (profiler, "
-                            "GPU 0) runs 3.7-4.2 us after attention and 5.4-6.5 us after the MLP, where it also waits "
-                            "for the slower GPU (benchmarks/results_tp_profile_gpu_1637.json); their mean, 5.0 us, "
-                            "taken. H200 only: not measured on an H100"),
-    ))
+        (
+            "inplace_kernel_gap_s",
+            "assumed 3 us, as kernel_overhead_s: the fixed cost of each kernel inside the "
+            "per-layer CUDA graph (its launch, ramp and drain; no gap between kernels)",
+        ),
+        (
+            "p2p_allreduce_s",
+            "measured 2026-11-30 16:37 UTC on 2 NVLink H200s: kernels.allreduce's barrier-free "
+            "kernel (with the residual add) inside a TP2 Llama-3.1-8B batch-1 decode step (profiler, "
+            "GPU 0) runs 3.7-4.2 us after attention and 5.4-6.5 us after the MLP, where it also waits "
+            "for the slower GPU (benchmarks/results_tp_profile_gpu_1637.json); their mean, 5.0 us, "
+            "taken. H200 only: not measured on an H100",
+        ),
+    ),
+)
 
 H100 = replace(
-    H200, name="NVIDIA H100 SXM", hbm_bytes=80 * 10**9, hbm_bw=3.35e12, read_bw=3.0e12, copy_bw=3.0e12,
-    sources=tuple((k, v) for k, v in H200.sources if k not in ("hbm_bytes", "hbm_bw", "read_bw", "copy_bw",
-                                                               "achieved_flops")) + (
+    H200,
+    name="NVIDIA H100 SXM",
+    hbm_bytes=80 * 10**9,
+    hbm_bw=3.35e12,
+    read_bw=3.0e12,
+    copy_bw=3.0e12,
+    sources=tuple(
+        (k, v) for k, v in H200.sources if k not in ("hbm_bytes", "hbm_bw", "read_bw", "copy_bw", "achieved_flops")
+    )
+    + (
         ("hbm_bytes", "NVIDIA H100 SXM datasheet: 80 GB HBM3"),
         ("hbm_bw", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),
         ("read_bw", "KL/DIAYN papers count DGX H100 as 24 TB/s = 3.0 TB/s per GPU (papers.md §4)"),
         ("copy_bw", "taken equal to read_bw (no H100 measurement here)"),
         ("achieved_flops", "H200 measurement reused (same GH100 die and clocks)"),
         ("bf16_flops", "NVIDIA H100 SXM datasheet: 989 TFLOP/s BF16 dense"),
-    ))
+    ),
+)
 
 GPUS = {"h100": H100, "h200": H200}
 
@@ -253,5 +330,9 @@ def gpu(name: str, constants: str = "published") -> GPUSpec:
     c = dict(rec["gpu"]["fitted"], **rec.get("gpu_inplace", {}).get("fitted", {}))
     keys = [k for k in GPU_FREE + INPLACE_FREE if k in c]
     note = "fitted (rdu/fitted.json) to our H200 rows; published: "
-    return replace(spec, name=spec.name + " fitted", **{k: c[k] for k in keys},
-                   sources=tuple((k, note + v if k in keys else v) for k, v in spec.sources))
+    return replace(
+        spec,
+        name=spec.name + " fitted",
+        **{k: c[k] for k in keys},
+        sources=tuple((k, note + v if k in keys else v) for k, v in spec.sources),
+    )

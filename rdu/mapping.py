@@ -131,10 +131,23 @@ def _kernel_from_graph(name: str, role: str, calls: int, iterations: int, g: Dat
     aliased = {a for a in g.output_alias if a is not None}
     cache_read = sum(r for i, r in enumerate(g.input_reads) if i in aliased)
     cache_write = sum(w for j, w in enumerate(g.output_writes) if g.output_alias[j] is not None)
-    weights = sum(r for i, r in enumerate(g.input_reads) if i not in aliased and g.inputs[i].nbytes > _activation_max(g))
+    weights = sum(
+        r for i, r in enumerate(g.input_reads) if i not in aliased and g.inputs[i].nbytes > _activation_max(g)
+    )
     other = sum(g.input_reads) - cache_read - weights + sum(g.output_writes) - cache_write
-    return Kernel(name, role, calls, iterations, g.total_flops(), weights, cache_read, cache_write, other,
-                  [n for n, _ in _leaves(g)], g)
+    return Kernel(
+        name,
+        role,
+        calls,
+        iterations,
+        g.total_flops(),
+        weights,
+        cache_read,
+        cache_write,
+        other,
+        [n for n, _ in _leaves(g)],
+        g,
+    )
 
 
 def _activation_max(g: DataflowGraph) -> int:
@@ -157,16 +170,18 @@ def fuse(graph: DataflowGraph) -> list[Kernel]:
         if n.op == "scan" and n.children and any(c.kind == "call" for c in n.children[0].nodes):
             body = n.children[0]
             layer = next(c for c in body.nodes if c.kind == "call")
-            kernels.append(_kernel_from_graph(f"decoders_looped[{layer.name}]", "decoder", 1, n.trip_count,
-                                              body))
+            kernels.append(_kernel_from_graph(f"decoders_looped[{layer.name}]", "decoder", 1, n.trip_count, body))
         elif n.kind == "call" and counts[n.name] >= 2:
             layer_calls.append(n)
         else:
             top = n.scope.split("/")[0] or (list(loose)[-1] if loose else "other")
             loose.setdefault(top, []).append(n)
     if layer_calls:
-        kernels.append(_kernel_from_graph(f"decoder[{layer_calls[0].name}]", "decoder", len(layer_calls), 1,
-                                          layer_calls[0].children[0]))
+        kernels.append(
+            _kernel_from_graph(
+                f"decoder[{layer_calls[0].name}]", "decoder", len(layer_calls), 1, layer_calls[0].children[0]
+            )
+        )
     for scope, nodes in loose.items():
         kernels.append(_loose_kernel(graph, scope, nodes))
     order = {"embedding": 0, "decoder": 1, "classifier": 2, "other": 3}
@@ -194,8 +209,9 @@ def _loose_kernel(graph: DataflowGraph, scope: str, nodes: list[Node]) -> Kernel
                 full.add(e.src_port)
             else:
                 partial[e.src_port] += r
-    reads = {p: graph.input_reads[p] if p in full else min(graph.input_reads[p], partial[p])
-             for p in full | set(partial)}
+    reads = {
+        p: graph.input_reads[p] if p in full else min(graph.input_reads[p], partial[p]) for p in full | set(partial)
+    }
     writes = sum(e.nbytes for e in graph.edges if e.src in ids and e.dst == -1)
     act = sum(e.nbytes for e in graph.edges if (e.src in ids) != (e.dst in ids) and e.src != -1 and e.dst != -1)
     weights = sum(r for p, r in reads.items() if graph.inputs[p].nbytes > 64 * 1024)
@@ -203,8 +219,15 @@ def _loose_kernel(graph: DataflowGraph, scope: str, nodes: list[Node]) -> Kernel
     # The final norm is the model's named call `rms_norm`: its ops count as they did when the norm was
     # written inline (the fitted GPU constants were fitted with that count). Other calls among loose
     # ops (the embedding's jitted gather) stay one node, as they always were.
-    ops = [leaf for n in nodes for leaf in ([x for c in n.children for x, _ in c.walk() if not x.children]
-                                            if n.kind == "call" and n.name == "rms_norm" else [n])]
+    ops = [
+        leaf
+        for n in nodes
+        for leaf in (
+            [x for c in n.children for x, _ in c.walk() if not x.children]
+            if n.kind == "call" and n.name == "rms_norm"
+            else [n]
+        )
+    ]
     return Kernel(scope or "other", role, 1, 1, flops, weights, 0, 0, other, ops)
 
 
@@ -240,8 +263,11 @@ def allocate(works: list[float], units: int, rate: float) -> tuple[float, list[i
 
 
 def stages_of(kernel: Kernel) -> list[Stage]:
-    return [Stage(f"{n.op}@{n.scope}", n.kind, n.flops, n.bytes_read + n.bytes_written)
-            for n in kernel.nodes if n.kind in STAGE_KINDS]
+    return [
+        Stage(f"{n.op}@{n.scope}", n.kind, n.flops, n.bytes_read + n.bytes_written)
+        for n in kernel.nodes
+        if n.kind in STAGE_KINDS
+    ]
 
 
 def _allocate_kernel(kernel: Kernel, hw: RDUSpec, sockets: int) -> Allocation | None:
@@ -257,8 +283,17 @@ def _allocate_kernel(kernel: Kernel, hw: RDUSpec, sockets: int) -> Allocation | 
     return Allocation(t, sum(pcus), sum(pmus), stages)
 
 
-def map_decode(graph: DataflowGraph, hw: RDUSpec, sockets: int, *, batch: int, kv_heads: int, dim: int,
-               itemsize: int = 2, allow_ddr: bool = False) -> Mapping:
+def map_decode(
+    graph: DataflowGraph,
+    hw: RDUSpec,
+    sockets: int,
+    *,
+    batch: int,
+    kv_heads: int,
+    dim: int,
+    itemsize: int = 2,
+    allow_ddr: bool = False,
+) -> Mapping:
     """Fuse, allocate and place `graph` (a traced decode step) on `sockets` SN40L sockets (TP)."""
     if not 1 <= sockets <= hw.max_sockets:
         raise ValueError(f"sockets must be in 1..{hw.max_sockets}, got {sockets}")
@@ -268,21 +303,27 @@ def map_decode(graph: DataflowGraph, hw: RDUSpec, sockets: int, *, batch: int, k
     # Capacity: the whole cache is resident (its read traffic is its size, S rows per layer).
     cache = sum(k.calls * k.iterations * k.cache_read_bytes for k in kernels)
     per_socket = weights / sockets + cache / kv_shards
-    sram_peak = max((o.nbytes for k in kernels if k.is_layer for n in k.nodes for o in n.outputs
-                     if n.kind in STAGE_KINDS), default=0) // kv_shards
+    sram_peak = (
+        max(
+            (o.nbytes for k in kernels if k.is_layer for n in k.nodes for o in n.outputs if n.kind in STAGE_KINDS),
+            default=0,
+        )
+        // kv_shards
+    )
     hbm = min(per_socket, hw.hbm_bytes)
     ddr = per_socket - hbm
     if (ddr > 0 and not allow_ddr) or ddr > hw.ddr_bytes:
         need = math.ceil((weights + cache) / hw.hbm_bytes)
-        fit = next((s for s in (1, 2, 4, 8, 16) if s >= need and weights / s + cache / min(s, kv_heads)
-                    <= hw.hbm_bytes), None)
+        fit = next(
+            (s for s in (1, 2, 4, 8, 16) if s >= need and weights / s + cache / min(s, kv_heads) <= hw.hbm_bytes), None
+        )
         where = "HBM" if not allow_ddr else "HBM + DDR"
         raise ModelDoesNotFit(
             f"{graph.name}: {per_socket / GIB:.1f} GiB per socket (weights {weights / sockets / GIB:.1f} GiB + KV "
             f"cache {cache / kv_shards / GIB:.1f} GiB) on {sockets} socket(s) exceeds {where} "
             f"({hw.hbm_bytes / GIB:.0f} GiB HBM per socket); decode streams every weight every token, so "
-            f"weights must be HBM-resident"
-            + (f"; needs {fit} sockets" if fit else "; does not fit even on 16 sockets"))
+            f"weights must be HBM-resident" + (f"; needs {fit} sockets" if fit else "; does not fit even on 16 sockets")
+        )
     allocations = {k.name: a for k in kernels if (a := _allocate_kernel(k, hw, sockets)) is not None}
     placement = Placement(int(hbm), int(ddr), int(sram_peak), hw.hbm_bytes, hw.ddr_bytes)
     return Mapping(graph, hw, sockets, batch, kernels, allocations, placement, kv_shards, batch * dim * itemsize)

@@ -61,8 +61,14 @@ def draw_scaling(ax, a: Analysis) -> None:
     ax.plot(p, [r.looped.tok_s for r in runs], "o-", color="#c8650f", label="SN40L looped")
     ax.plot(p, [r.unlooped.tok_s for r in runs], "s--", color="#3a66b8", label="SN40L unlooped")
     for r in runs:
-        ax.annotate(f"{r.unlooped.per_token_s / r.looped.per_token_s:.2f}×", (r.sockets, r.looped.tok_s),
-                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax.annotate(
+            f"{r.unlooped.per_token_s / r.looped.per_token_s:.2f}×",
+            (r.sockets, r.looped.tok_s),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+        )
     for mode, style in (("xla", ":"), ("eager", "-.")):
         e = a.gpu_estimates[mode]
         ax.axhline(e.tok_s, ls=style, lw=1, color="#4fae68", label=f"{a.gpu.name} ×1 {mode}")

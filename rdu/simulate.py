@@ -80,10 +80,17 @@ class Estimate:
         return self.roofline_s / self.per_token_s
 
     def as_dict(self) -> dict:
-        return {"target": self.target, "batch": self.batch, "ms_per_token": self.ms_per_token, "tok_s": self.tok_s,
-                "bytes_per_token": self.bytes_per_token, "flops_per_token": self.flops_per_token,
-                "fraction_of_roofline": self.fraction_of_roofline, "calls_per_token": self.calls_per_token,
-                "kernels": [vars(k) for k in self.kernels]}
+        return {
+            "target": self.target,
+            "batch": self.batch,
+            "ms_per_token": self.ms_per_token,
+            "tok_s": self.tok_s,
+            "bytes_per_token": self.bytes_per_token,
+            "flops_per_token": self.flops_per_token,
+            "fraction_of_roofline": self.fraction_of_roofline,
+            "calls_per_token": self.calls_per_token,
+            "kernels": [vars(k) for k in self.kernels],
+        }
 
 
 def allreduce_s(nbytes: float, p: int, latency_s: float, bw: float) -> float:
@@ -95,8 +102,7 @@ def allreduce_s(nbytes: float, p: int, latency_s: float, bw: float) -> float:
 
 def _socket_bytes(k: Kernel, m: Mapping) -> float:
     """Bytes one socket moves per iteration: weights sharded, KV sharded over kv heads, activations whole."""
-    return (k.weight_bytes / m.sockets + (k.cache_read_bytes + k.cache_write_bytes) / m.kv_shards
-            + k.other_bytes)
+    return k.weight_bytes / m.sockets + (k.cache_read_bytes + k.cache_write_bytes) / m.kv_shards + k.other_bytes
 
 
 def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> Estimate:
@@ -135,8 +141,16 @@ def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> 
         total = calls * (launch + boundary) + calls * iters * it
         times.append(KernelTime(k.name, calls, iters, launch, boundary, mem, compute, comm, it, total))
     mode = "looped" if looped else "unlooped"
-    return Estimate(f"{hw.name} x{p} {mode}", m.batch, sum(t.total_s for t in times), _model_bytes(m.kernels),
-                    m.graph.total_flops(), p * hw.hbm_bw, sum(t.calls for t in times), times)
+    return Estimate(
+        f"{hw.name} x{p} {mode}",
+        m.batch,
+        sum(t.total_s for t in times),
+        _model_bytes(m.kernels),
+        m.graph.total_flops(),
+        p * hw.hbm_bw,
+        sum(t.calls for t in times),
+        times,
+    )
 
 
 def pipeline_depth(k: Kernel, m: Mapping) -> int:
@@ -193,8 +207,17 @@ class GPUKernelTerms:
     comm_s: float  # all-reduces (decoder layer) or the logits all-gather (classifier)
 
 
-def gpu_kernel_terms(k: Kernel, gpu: GPUSpec, *, mode: str, n_gpus: int, kv_heads: int, activation_bytes: int,
-                     logits_bytes: int = 0, kernels_per_layer: int | None = None) -> GPUKernelTerms:
+def gpu_kernel_terms(
+    k: Kernel,
+    gpu: GPUSpec,
+    *,
+    mode: str,
+    n_gpus: int,
+    kv_heads: int,
+    activation_bytes: int,
+    logits_bytes: int = 0,
+    kernels_per_layer: int | None = None,
+) -> GPUKernelTerms:
     """Tensor parallelism over `n_gpus` (Megatron): every weight (projections, MLP, the vocab-sharded LM
     head) is split n ways, the KV cache over min(n, kv_heads) shards (heads are replicated past that),
     activations are whole on every GPU; each layer all-reduces [B, D] twice, the classifier all-gathers
@@ -213,14 +236,30 @@ def gpu_kernel_terms(k: Kernel, gpu: GPUSpec, *, mode: str, n_gpus: int, kv_head
         comm = gpu_allgather_s(logits_bytes, n_gpus, gpu)
     else:
         comm = 0.0
-    return GPUKernelTerms(count, w, k.cache_read_bytes / kv_shards, k.cache_write_bytes / kv_shards + k.other_bytes,
-                          2 * w if (mode == "scan_copy" and k.is_layer) else 0.0,
-                          k.flops / n_gpus / gpu.achieved_flops, comm)
+    return GPUKernelTerms(
+        count,
+        w,
+        k.cache_read_bytes / kv_shards,
+        k.cache_write_bytes / kv_shards + k.other_bytes,
+        2 * w if (mode == "scan_copy" and k.is_layer) else 0.0,
+        k.flops / n_gpus / gpu.achieved_flops,
+        comm,
+    )
 
 
-def simulate_gpu(kernels: list[Kernel], gpu: GPUSpec, *, batch: int, mode: str = "xla", n_gpus: int = 1,
-                 kv_heads: int = 8, activation_bytes: int = 0, logits_bytes: int = 0,
-                 kernels_per_layer: int | None = None, flops: int = 0) -> Estimate:
+def simulate_gpu(
+    kernels: list[Kernel],
+    gpu: GPUSpec,
+    *,
+    batch: int,
+    mode: str = "xla",
+    n_gpus: int = 1,
+    kv_heads: int = 8,
+    activation_bytes: int = 0,
+    logits_bytes: int = 0,
+    kernels_per_layer: int | None = None,
+    flops: int = 0,
+) -> Estimate:
     """Per-token decode time on `n_gpus` GPUs (tensor parallel) for the kernels of a traced step.
 
     A kernel call costs count * overhead + max(memory, compute) + communication, where memory reads the
@@ -244,21 +283,54 @@ def simulate_gpu(kernels: list[Kernel], gpu: GPUSpec, *, batch: int, mode: str =
 
             t = inplace_terms(k, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes)
             mem, it = inplace_layer_s(t, gpu, batch)
-            times.append(KernelTime(k.name, t.kernels * n, 1, gpu.inplace_kernel_gap_s, 0.0, mem, t.compute_s,
-                                    t.comm_s, it, n * it))
+            times.append(
+                KernelTime(
+                    k.name, t.kernels * n, 1, gpu.inplace_kernel_gap_s, 0.0, mem, t.compute_s, t.comm_s, it, n * it
+                )
+            )
             continue
-        t = gpu_kernel_terms(k, gpu, mode="xla" if mode == "looped_inplace" else mode, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes,
-                             logits_bytes=logits_bytes, kernels_per_layer=kernels_per_layer)
-        mem = (t.weight_bytes / (eff * gpu.read_bw) + t.kv_bytes / (gpu.attention_efficiency * gpu.read_bw)
-               + t.other_bytes / gpu.read_bw + t.copy_bytes / gpu.copy_bw)
+        t = gpu_kernel_terms(
+            k,
+            gpu,
+            mode="xla" if mode == "looped_inplace" else mode,
+            n_gpus=n_gpus,
+            kv_heads=kv_heads,
+            activation_bytes=activation_bytes,
+            logits_bytes=logits_bytes,
+            kernels_per_layer=kernels_per_layer,
+        )
+        mem = (
+            t.weight_bytes / (eff * gpu.read_bw)
+            + t.kv_bytes / (gpu.attention_efficiency * gpu.read_bw)
+            + t.other_bytes / gpu.read_bw
+            + t.copy_bytes / gpu.copy_bw
+        )
         it = t.count * overhead + max(mem, t.compute_s) + t.comm_s
         times.append(KernelTime(k.name, t.count * n, 1, overhead, 0.0, mem, t.compute_s, t.comm_s, it, n * it))
-    return Estimate(f"{gpu.name} x{n_gpus} {mode}", batch, sum(t.total_s for t in times), _model_bytes(kernels),
-                    flops, n_gpus * gpu.hbm_bw, sum(t.calls for t in times), times)
+    return Estimate(
+        f"{gpu.name} x{n_gpus} {mode}",
+        batch,
+        sum(t.total_s for t in times),
+        _model_bytes(kernels),
+        flops,
+        n_gpus * gpu.hbm_bw,
+        sum(t.calls for t in times),
+        times,
+    )
 
 
-def gpu_estimate(graph: DataflowGraph, gpu: GPUSpec, *, batch: int, dim: int, kv_heads: int, mode: str = "xla",
-                 n_gpus: int = 1, itemsize: int = 2, **kw) -> Estimate:
+def gpu_estimate(
+    graph: DataflowGraph,
+    gpu: GPUSpec,
+    *,
+    batch: int,
+    dim: int,
+    kv_heads: int,
+    mode: str = "xla",
+    n_gpus: int = 1,
+    itemsize: int = 2,
+    **kw,
+) -> Estimate:
     """`simulate_gpu` on the kernels of a traced decode step (the sampling kernel is left out: the
     measured GPU rows time the forward step plus sampling inside the same dispatch)."""
     from rdu.mapping import fuse
@@ -266,8 +338,18 @@ def gpu_estimate(graph: DataflowGraph, gpu: GPUSpec, *, batch: int, dim: int, kv
     all_kernels = fuse(graph)
     logits = sum(k.other_bytes for k in all_kernels if k.role == "sampling")  # [B, V] logits
     kernels = [k for k in all_kernels if k.role != "sampling"]
-    return simulate_gpu(kernels, gpu, batch=batch, mode=mode, n_gpus=n_gpus, kv_heads=kv_heads,
-                        activation_bytes=batch * dim * itemsize, logits_bytes=logits, flops=graph.total_flops(), **kw)
+    return simulate_gpu(
+        kernels,
+        gpu,
+        batch=batch,
+        mode=mode,
+        n_gpus=n_gpus,
+        kv_heads=kv_heads,
+        activation_bytes=batch * dim * itemsize,
+        logits_bytes=logits,
+        flops=graph.total_flops(),
+        **kw,
+    )
 
 
 def with_peak(est: Estimate, peak_bw: float) -> Estimate:

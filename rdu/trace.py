@@ -27,18 +27,103 @@ from jax.extend import core as jcore
 
 from rdu.graph import INPLACE_OPS, SLICING_OPS, DataflowGraph, Edge, Node, TensorInfo
 
-CALL_OPS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
-                      "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
-ARITH_OPS = frozenset({"add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign",
-                       "pow", "integer_pow", "square", "floor", "ceil", "round", "clamp", "select_n",
-                       "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor", "not", "nextafter"})
-TRANSCENDENTAL_OPS = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
-                                "tan", "rsqrt", "sqrt", "cbrt", "erf", "erfc", "erf_inv", "atan2", "asin",
-                                "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma",
-                                "digamma"})
-REDUCE_OPS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-                        "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-                        "reduce_precision"})
+CALL_OPS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "remat",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "custom_lin",
+    }
+)
+ARITH_OPS = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "rem",
+        "max",
+        "min",
+        "neg",
+        "abs",
+        "sign",
+        "pow",
+        "integer_pow",
+        "square",
+        "floor",
+        "ceil",
+        "round",
+        "clamp",
+        "select_n",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "and",
+        "or",
+        "xor",
+        "not",
+        "nextafter",
+    }
+)
+TRANSCENDENTAL_OPS = frozenset(
+    {
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "tanh",
+        "logistic",
+        "sin",
+        "cos",
+        "tan",
+        "rsqrt",
+        "sqrt",
+        "cbrt",
+        "erf",
+        "erfc",
+        "erf_inv",
+        "atan2",
+        "asin",
+        "acos",
+        "atan",
+        "sinh",
+        "cosh",
+        "asinh",
+        "acosh",
+        "atanh",
+        "lgamma",
+        "digamma",
+    }
+)
+REDUCE_OPS = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "reduce_xor",
+        "argmax",
+        "argmin",
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "cummin",
+        "reduce_precision",
+    }
+)
 
 
 def _info(aval) -> TensorInfo | None:
@@ -212,8 +297,15 @@ def from_jaxpr(jaxpr, name: str = "main", scope: str = "") -> DataflowGraph:
         node = Node(len(g.nodes), op, _kind(op), full_scope, ins, outs)
         if op == "dot_general":
             node.params = {"dimension_numbers": eqn.params["dimension_numbers"]}
-        subs = _children(eqn, full_scope) if (op in CALL_OPS or op in ("scan", "cond", "while")
-                                              or any(True for _ in jcore.jaxprs_in_params(eqn.params))) else None
+        subs = (
+            _children(eqn, full_scope)
+            if (
+                op in CALL_OPS
+                or op in ("scan", "cond", "while")
+                or any(True for _ in jcore.jaxprs_in_params(eqn.params))
+            )
+            else None
+        )
         if subs and subs[0]:
             node.children, node.trip_count, node.name = subs
             if node.kind == "data":
@@ -254,8 +346,9 @@ def from_jaxpr(jaxpr, name: str = "main", scope: str = "") -> DataflowGraph:
         g.nodes.append(node)
 
     sizes = [_info(v.aval).nbytes if _info(v.aval) else 0 for v in invars]
-    g.input_reads = [max(sizes[i] if leaf_full[i] else 0, min(sizes[i], leaf_partial[i])) + call_reads[i]
-                     for i in range(len(invars))]
+    g.input_reads = [
+        max(sizes[i] if leaf_full[i] else 0, min(sizes[i], leaf_partial[i])) + call_reads[i] for i in range(len(invars))
+    ]
     for j, v in enumerate(jaxpr.outvars):
         info = _info(v.aval)
         if isinstance(v, jcore.Var) and v in producer and info is not None:
@@ -277,8 +370,9 @@ def trace(fn, *args, name: str | None = None, **kwargs) -> DataflowGraph:
 
 
 @functools.lru_cache(maxsize=32)
-def trace_decode_step(cfg, batch: int = 1, context: int = 4096, *, looped: bool = True,
-                      dtype: str = "bfloat16") -> DataflowGraph:
+def trace_decode_step(
+    cfg, batch: int = 1, context: int = 4096, *, looped: bool = True, dtype: str = "bfloat16"
+) -> DataflowGraph:
     """The decode step of `cfg` (one new token per sequence, a cache of `context` rows) as a graph.
 
     Built from shapes only (`nnx.eval_shape`), so no weights are allocated, even for 405B. `looped`

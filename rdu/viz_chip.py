@@ -18,8 +18,13 @@ from rdu.simulate import Estimate
 from rdu.viz_graph import fmt_si, fmt_time
 
 COLS, CELL, DIE_GAP = 26, 11, 16
-ROLE_COLORS = {"embedding": "#6f9ede", "decoder": "#f0903a", "classifier": "#4fae68", "sampling": "#a07cd6",
-               "other": "#9aa0a6"}
+ROLE_COLORS = {
+    "embedding": "#6f9ede",
+    "decoder": "#f0903a",
+    "classifier": "#4fae68",
+    "sampling": "#a07cd6",
+    "other": "#9aa0a6",
+}
 PHASE_COLORS = {"launch": "#2b2f36", "boundary": "#c3c8d0", "comm": "#4f63e0"}
 KIND_SAT = {"matmul": 0.75, "elementwise": 0.45, "reduction": 0.6, "memory": 0.9}
 
@@ -50,28 +55,38 @@ def grid_svg(alloc: Allocation, mapping: Mapping, uid: str) -> str:
     per_die = math.ceil(hw.pcus / 2)
     rows = math.ceil(per_die / COLS)
     wpx, hpx = 2 * COLS * CELL + DIE_GAP, 2 * rows * CELL
-    parts = [f'<svg class="tile" width="{wpx}" height="{hpx + 16}" viewBox="0 0 {wpx} {hpx + 16}">',
-             f'<defs><pattern id="cells-{uid}" width="{CELL}" height="{CELL}" patternUnits="userSpaceOnUse">'
-             f'<path d="M{CELL} 0V{CELL}H0" fill="none" stroke="#fff" stroke-width="1"/></pattern></defs>']
+    parts = [
+        f'<svg class="tile" width="{wpx}" height="{hpx + 16}" viewBox="0 0 {wpx} {hpx + 16}">',
+        f'<defs><pattern id="cells-{uid}" width="{CELL}" height="{CELL}" patternUnits="userSpaceOnUse">'
+        f'<path d="M{CELL} 0V{CELL}H0" fill="none" stroke="#fff" stroke-width="1"/></pattern></defs>',
+    ]
     for die in range(2):
         x = die * (COLS * CELL + DIE_GAP)
         parts.append(f'<rect class="die" x="{x}" y="0" width="{COLS * CELL}" height="{hpx}" fill="#e9ebef"/>')
     pcu = pmu = 0
     for i, s in enumerate(alloc.stages):
-        tip = html.escape(f"{s.name} ({s.kind}): {s.pcus} PCUs, {s.pmus} PMUs, {fmt_si(s.flops, 'FLOP')}, "
-                          f"{fmt_si(s.bytes, 'B')} streamed")
-        rects = [f'<rect x="{x}" y="{y}" width="{w}" height="{CELL}" fill="{stage_color(i, s.kind)}"/>'
-                 for x, y, w in _unit_rects(pcu, s.pcus, per_die, False)]
-        rects += [f'<rect x="{x}" y="{y}" width="{w}" height="{CELL}" fill="{stage_color(i, s.kind, True)}"/>'
-                  for x, y, w in _unit_rects(pmu, s.pmus, per_die, True)]
+        tip = html.escape(
+            f"{s.name} ({s.kind}): {s.pcus} PCUs, {s.pmus} PMUs, {fmt_si(s.flops, 'FLOP')}, "
+            f"{fmt_si(s.bytes, 'B')} streamed"
+        )
+        rects = [
+            f'<rect x="{x}" y="{y}" width="{w}" height="{CELL}" fill="{stage_color(i, s.kind)}"/>'
+            for x, y, w in _unit_rects(pcu, s.pcus, per_die, False)
+        ]
+        rects += [
+            f'<rect x="{x}" y="{y}" width="{w}" height="{CELL}" fill="{stage_color(i, s.kind, True)}"/>'
+            for x, y, w in _unit_rects(pmu, s.pmus, per_die, True)
+        ]
         parts.append(f'<g class="stage"><title>{tip}</title>{"".join(rects)}</g>')
         pcu, pmu = pcu + s.pcus, pmu + s.pmus
     for die in range(2):
         x = die * (COLS * CELL + DIE_GAP)
-        parts.append(f'<rect x="{x}" y="0" width="{COLS * CELL}" height="{hpx}" fill="url(#cells-{uid})" '
-                     f'pointer-events="none"/>')
-        parts.append(f'<text x="{x}" y="{hpx + 12}" class="axis">die {die}: {per_die} PCU (dark) + '
-                     f'{per_die} PMU (light)</text>')
+        parts.append(
+            f'<rect x="{x}" y="0" width="{COLS * CELL}" height="{hpx}" fill="url(#cells-{uid})" pointer-events="none"/>'
+        )
+        parts.append(
+            f'<text x="{x}" y="{hpx + 12}" class="axis">die {die}: {per_die} PCU (dark) + {per_die} PMU (light)</text>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -80,11 +95,14 @@ def stage_table(alloc: Allocation, sockets: int) -> str:
     rows = "".join(
         f'<tr><td><span class="sw" style="background:{stage_color(i, s.kind)}"></span></td>'
         f'<td class="name">{html.escape(s.name)}</td><td>{s.kind}</td><td>{s.pcus}</td><td>{s.pmus}</td>'
-        f'<td>{fmt_si(s.flops / sockets, "FLOP")}</td><td>{fmt_si(s.bytes / sockets, "B")}</td></tr>'
-        for i, s in enumerate(alloc.stages))
-    return ('<table class="stages"><thead><tr><th></th><th>stage (op@scope)</th><th>kind</th><th>PCUs</th>'
-            '<th>PMUs</th><th>FLOP/socket</th><th>bytes/socket</th></tr></thead>'
-            f'<tbody>{rows}</tbody></table>')
+        f"<td>{fmt_si(s.flops / sockets, 'FLOP')}</td><td>{fmt_si(s.bytes / sockets, 'B')}</td></tr>"
+        for i, s in enumerate(alloc.stages)
+    )
+    return (
+        '<table class="stages"><thead><tr><th></th><th>stage (op@scope)</th><th>kind</th><th>PCUs</th>'
+        "<th>PMUs</th><th>FLOP/socket</th><th>bytes/socket</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+    )
 
 
 def utilization(alloc: Allocation, mapping: Mapping, est: Estimate, kernel: str) -> str:
@@ -92,18 +110,22 @@ def utilization(alloc: Allocation, mapping: Mapping, est: Estimate, kernel: str)
     kt = next(k for k in est.kernels if k.name == kernel)
     busy = kt.compute_s / kt.iteration_s if kt.iteration_s else 0.0
     crit = alloc.critical_stage
-    return (f"{alloc.pcus}/{hw.pcus} PCUs ({100 * alloc.pcus / hw.pcus:.1f}%) and {alloc.pmus}/{hw.pmus} PMUs "
-            f"({100 * alloc.pmus / hw.pmus:.1f}%) allocated to {len(alloc.stages)} stages; common stage time "
-            f"T = {fmt_time(alloc.stage_time_s)}; critical stage {html.escape(crit.name)} ({crit.pcus} PCUs). "
-            f"Looped, each iteration takes {fmt_time(kt.iteration_s)} (memory {fmt_time(kt.memory_s)}, compute "
-            f"{fmt_time(kt.compute_s)}, all-reduce {fmt_time(kt.comm_s)}): the PCUs compute "
-            f"{100 * busy:.1f}% of the time.")
+    return (
+        f"{alloc.pcus}/{hw.pcus} PCUs ({100 * alloc.pcus / hw.pcus:.1f}%) and {alloc.pmus}/{hw.pmus} PMUs "
+        f"({100 * alloc.pmus / hw.pmus:.1f}%) allocated to {len(alloc.stages)} stages; common stage time "
+        f"T = {fmt_time(alloc.stage_time_s)}; critical stage {html.escape(crit.name)} ({crit.pcus} PCUs). "
+        f"Looped, each iteration takes {fmt_time(kt.iteration_s)} (memory {fmt_time(kt.memory_s)}, compute "
+        f"{fmt_time(kt.compute_s)}, all-reduce {fmt_time(kt.comm_s)}): the PCUs compute "
+        f"{100 * busy:.1f}% of the time."
+    )
 
 
 # ---- timeline ----
 
-def _lane(segs: list[Segment], t0: float, t1: float, y: float, h: float, x0: float, wpx: float,
-          ticks: bool = True) -> list[str]:
+
+def _lane(
+    segs: list[Segment], t0: float, t1: float, y: float, h: float, x0: float, wpx: float, ticks: bool = True
+) -> list[str]:
     sx = wpx / (t1 - t0)
     out = []
     for s in segs:
@@ -113,10 +135,11 @@ def _lane(segs: list[Segment], t0: float, t1: float, y: float, h: float, x0: flo
         x, w = x0 + (a - t0) * sx, max((b - a) * sx, 0.4)
         fill = ROLE_COLORS.get(s.role, "#999") if s.phase == "body" else PHASE_COLORS[s.phase]
         cls = f"seg {s.phase}"
-        tip = f"<title>{html.escape(f'{s.kernel} call {s.call}: {s.phase} {fmt_time(s.end_s - s.start_s)}')}" \
-              f"{html.escape(f', HBM {100 * s.hbm:.0f}% of peak' if s.phase == 'body' else '')}</title>"
-        out.append(f'<rect class="{cls}" x="{x:.2f}" y="{y}" width="{w:.2f}" height="{h}" fill="{fill}">'
-                   f'{tip}</rect>')
+        tip = (
+            f"<title>{html.escape(f'{s.kernel} call {s.call}: {s.phase} {fmt_time(s.end_s - s.start_s)}')}"
+            f"{html.escape(f', HBM {100 * s.hbm:.0f}% of peak' if s.phase == 'body' else '')}</title>"
+        )
+        out.append(f'<rect class="{cls}" x="{x:.2f}" y="{y}" width="{w:.2f}" height="{h}" fill="{fill}">{tip}</rect>')
     return out
 
 
@@ -144,8 +167,10 @@ def _axis(t0: float, t1: float, y: float, x0: float, wpx: float) -> list[str]:
     k = math.ceil(t0 / step)
     while k * step <= t1 + 1e-15:
         x = x0 + (k * step - t0) / span * wpx
-        out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" class="ax"/>'
-                   f'<text x="{x:.1f}" y="{y + 15}" class="axis" text-anchor="middle">{fmt_time(k * step)}</text>')
+        out.append(
+            f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" class="ax"/>'
+            f'<text x="{x:.1f}" y="{y + 15}" class="axis" text-anchor="middle">{fmt_time(k * step)}</text>'
+        )
         k += 1
     return out
 
@@ -171,14 +196,18 @@ def timeline_svg(mapping: Mapping, on: Estimate, off: Estimate) -> str:
             parts += _lane(segs, t0, t1, y, lh, x0, wpx)
             y += lh + 4
         for name, segs in (("HBM looped", seg_on), ("HBM unlooped", seg_off)):
-            parts.append(f'<text x="0" y="{y + bh / 2 + 4}" class="lbl">{name}</text>'
-                         f'<rect x="{x0}" y="{y}" width="{wpx}" height="{bh}" class="bwbg"/>'
-                         f'<path class="bw {name.split()[1]}" d="{_bw_path(segs, t0, t1, y, bh, x0, wpx)}">'
-                         f'<title>{html.escape(f"{name}: mean {100 * mean_hbm(segs):.1f}% of peak HBM")}</title>'
-                         f'</path><line x1="{x0}" x2="{x0 + wpx}" y1="{y + bh * (1 - eff):.1f}" '
-                         f'y2="{y + bh * (1 - eff):.1f}" class="eff"/>')
+            parts.append(
+                f'<text x="0" y="{y + bh / 2 + 4}" class="lbl">{name}</text>'
+                f'<rect x="{x0}" y="{y}" width="{wpx}" height="{bh}" class="bwbg"/>'
+                f'<path class="bw {name.split()[1]}" d="{_bw_path(segs, t0, t1, y, bh, x0, wpx)}">'
+                f"<title>{html.escape(f'{name}: mean {100 * mean_hbm(segs):.1f}% of peak HBM')}</title>"
+                f'</path><line x1="{x0}" x2="{x0 + wpx}" y1="{y + bh * (1 - eff):.1f}" '
+                f'y2="{y + bh * (1 - eff):.1f}" class="eff"/>'
+            )
             y += bh + 4
         parts += _axis(t0, t1, y, x0, wpx)
         y += 30
-    return (f'<svg class="timeline" viewBox="0 0 {x0 + wpx + 10} {y}" width="100%" '
-            f'preserveAspectRatio="xMinYMin meet">' + "".join(parts) + "</svg>")
+    return (
+        f'<svg class="timeline" viewBox="0 0 {x0 + wpx + 10} {y}" width="100%" '
+        f'preserveAspectRatio="xMinYMin meet">' + "".join(parts) + "</svg>"
+    )

@@ -35,7 +35,7 @@ def ramp(t: float) -> str:
     i = min(int(t), len(RAMP) - 2)
     a, b = RAMP[i], RAMP[i + 1]
     f = t - i
-    rgb = [round(int(a[k:k + 2], 16) * (1 - f) + int(b[k:k + 2], 16) * f) for k in (1, 3, 5)]
+    rgb = [round(int(a[k : k + 2], 16) * (1 - f) + int(b[k : k + 2], 16) * f) for k in (1, 3, 5)]
     return "#" + "".join(f"{c:02x}" for c in rgb)
 
 
@@ -113,8 +113,14 @@ def fold_repeats(g: DataflowGraph) -> tuple[list[Item], dict[int, int]]:
     alias: dict[int, int] = {}
     for n in g.nodes:
         prev = items[-1] if items else None
-        if (prev and n.kind == "call" and n.children and prev.node.kind == "call" and prev.node.name == n.name
-                and prev.node.op == n.op):
+        if (
+            prev
+            and n.kind == "call"
+            and n.children
+            and prev.node.kind == "call"
+            and prev.node.name == n.name
+            and prev.node.op == n.op
+        ):
             prev.count += 1
             prev.last_scope = n.scope
             alias[n.id] = prev.node.id
@@ -128,7 +134,7 @@ def _rel(scope: str, base: str) -> str:
         return scope
     if scope == base:
         return ""
-    return scope[len(base) + 1:] if scope.startswith(base + "/") else scope
+    return scope[len(base) + 1 :] if scope.startswith(base + "/") else scope
 
 
 class GraphView:
@@ -172,23 +178,27 @@ class GraphView:
                 tot[m] += v * mult * it.count
         return tot
 
-    def _details(self, label: str, cls: str, run: list[Item], mult: int, inner: str, open_: bool,
-                 note: str = "") -> str:
+    def _details(
+        self, label: str, cls: str, run: list[Item], mult: int, inner: str, open_: bool, note: str = ""
+    ) -> str:
         agg = self._agg(run, mult)
         n_ops = sum(1 for it in run for _ in _leaves(it.node))
         text = " · ".join(FORMATS[m](agg[m]) for m in METRICS)
-        return (f'<details class="{cls}"{" open" if open_ else ""}><summary>'
-                f'<span class="badge" data-c="{self.scale.colors(agg)}" style="background:'
-                f'{self.scale.color("time", agg["time"])}"></span><b>{html.escape(label)}</b> '
-                f'<span class="meta">{n_ops} ops · {text} per token{note}</span></summary>'
-                f'<div class="body">{inner}</div></details>')
+        return (
+            f'<details class="{cls}"{" open" if open_ else ""}><summary>'
+            f'<span class="badge" data-c="{self.scale.colors(agg)}" style="background:'
+            f'{self.scale.color("time", agg["time"])}"></span><b>{html.escape(label)}</b> '
+            f'<span class="meta">{n_ops} ops · {text} per token{note}</span></summary>'
+            f'<div class="body">{inner}</div></details>'
+        )
 
     def _callee(self, it: Item, mult: int) -> str:
         n = it.node
         if it.count > 1:
             label = f"{n.name} ×{it.count}: identical calls {it.first_scope} … {it.last_scope}"
-            note = (f" — one body shown; kernel looping turns these {it.count} calls into one scan "
-                    f"(trip count {it.count})")
+            note = (
+                f" — one body shown; kernel looping turns these {it.count} calls into one scan (trip count {it.count})"
+            )
             inner = "".join(self.graph(c, it.first_scope, mult * it.count) for c in n.children)
             return self._details(label, "repeat", [it], mult, inner, open_=False, note=note)
         if n.op in ("scan", "while"):
@@ -201,9 +211,10 @@ class GraphView:
         if len(n.children) == 1:
             inner = self.graph(n.children[0], n.scope, sub_mult)
         else:
-            inner = "".join(self._details(c.name, "call", [Item(_wrap(c))], sub_mult,
-                                          self.graph(c, n.scope, sub_mult), open_=False)
-                            for c in n.children)
+            inner = "".join(
+                self._details(c.name, "call", [Item(_wrap(c))], sub_mult, self.graph(c, n.scope, sub_mult), open_=False)
+                for c in n.children
+            )
         return self._details(label, cls, [it], mult, inner, open_=False, note=note)
 
     # ---- a strip: ops directly in one scope, layered by dependency ----
@@ -235,8 +246,10 @@ class GraphView:
             (x1, y1), (x2, y2) = pos[s], pos[d]
             x1, y1, x2 = x1 + W / 2, y1 + H, x2 + W / 2
             dy = max((y2 - y1) / 2, 8)
-            parts.append(f'<path class="edge" d="M{x1:.0f} {y1:.0f}C{x1:.0f} {y1 + dy:.0f} {x2:.0f} {y2 - dy:.0f} '
-                         f'{x2:.0f} {y2:.0f}"><title>{html.escape(tensor)}</title></path>')
+            parts.append(
+                f'<path class="edge" d="M{x1:.0f} {y1:.0f}C{x1:.0f} {y1 + dy:.0f} {x2:.0f} {y2 - dy:.0f} '
+                f'{x2:.0f} {y2:.0f}"><title>{html.escape(tensor)}</title></path>'
+            )
         for it in run:
             parts.append(self._node(it, mult, *pos[it.node.id]))
         parts.append("</svg>")
@@ -261,19 +274,24 @@ class GraphView:
         tip = [f"{label}  ({n.kind})", f"scope: {it.first_scope or n.scope or '(top)'}"]
         if it.count > 1:
             tip.append(f"{it.count} identical calls, {it.first_scope} … {it.last_scope}")
-        tip += [f"in: {', '.join(map(str, n.inputs)) or '-'}", f"out: {', '.join(map(str, n.outputs)) or '-'}",
-                f"runs per token: {runs}"]
+        tip += [
+            f"in: {', '.join(map(str, n.inputs)) or '-'}",
+            f"out: {', '.join(map(str, n.outputs)) or '-'}",
+            f"runs per token: {runs}",
+        ]
         tip += [f"{m}: {FORMATS[m](c[m])} per run, {FORMATS[m](per_token[m])} per token" for m in METRICS]
         fill = self.scale.color("time", per_token["time"])
-        return (f'<g class="op {cls} k-{n.kind}" transform="translate({x:.0f},{y:.0f})" '
-                f'data-c="{self.scale.colors(per_token)}"><title>{html.escape(chr(10).join(tip))}</title>'
-                f'<rect width="{W}" height="{H}" rx="5" style="fill:{fill}"/>'
-                f'<text x="7" y="14">{html.escape(_clip(label, 24))}</text>'
-                f'<text x="7" y="28" class="shape">{html.escape(_clip(shape, 27))}</text></g>')
+        return (
+            f'<g class="op {cls} k-{n.kind}" transform="translate({x:.0f},{y:.0f})" '
+            f'data-c="{self.scale.colors(per_token)}"><title>{html.escape(chr(10).join(tip))}</title>'
+            f'<rect width="{W}" height="{H}" rx="5" style="fill:{fill}"/>'
+            f'<text x="7" y="14">{html.escape(_clip(label, 24))}</text>'
+            f'<text x="7" y="28" class="shape">{html.escape(_clip(shape, 27))}</text></g>'
+        )
 
 
 def _clip(s: str, k: int) -> str:
-    return s if len(s) <= k else s[:k - 1] + "…"
+    return s if len(s) <= k else s[: k - 1] + "…"
 
 
 def _leaves(n: Node):

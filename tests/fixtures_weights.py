@@ -30,14 +30,27 @@ def random_hf_state(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         shapes["lm_head.weight"] = (V, D)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (NH, D), p + "self_attn.k_proj.weight": (KH, D),
-                       p + "self_attn.v_proj.weight": (KH, D), p + "self_attn.o_proj.weight": (D, NH),
-                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                       p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
-                       p + "post_attention_layernorm.weight": (D,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (NH, D),
+                p + "self_attn.k_proj.weight": (KH, D),
+                p + "self_attn.v_proj.weight": (KH, D),
+                p + "self_attn.o_proj.weight": (D, NH),
+                p + "mlp.gate_proj.weight": (F, D),
+                p + "mlp.up_proj.weight": (F, D),
+                p + "mlp.down_proj.weight": (D, F),
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+            }
+        )
         if cfg.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (NH,), p + "self_attn.k_proj.bias": (KH,),
-                           p + "self_attn.v_proj.bias": (KH,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (NH,),
+                    p + "self_attn.k_proj.bias": (KH,),
+                    p + "self_attn.v_proj.bias": (KH,),
+                }
+            )
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
@@ -48,15 +61,25 @@ def llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm"}
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def gguf_name(hf: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in top:
         return top[hf]
     _, _, i, *mid, kind = hf.split(".")
@@ -79,9 +102,17 @@ def llama3_rope_freqs(theta: float, head_dim: int, factor: float, low: float, hi
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path: Path, cfg: ModelConfig, state: dict[str, np.ndarray], arch: str = "llama",
-               qtype: QT = QT.F32, meta: dict | None = None, tokenizer: bool = True,
-               drop: tuple[str, ...] = (), raw_tensors: dict | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    cfg: ModelConfig,
+    state: dict[str, np.ndarray],
+    arch: str = "llama",
+    qtype: QT = QT.F32,
+    meta: dict | None = None,
+    tokenizer: bool = True,
+    drop: tuple[str, ...] = (),
+    raw_tensors: dict | None = None,
+) -> Path:
     """A GGUF as llama.cpp writes it: permuted q/k for llama, 2-D weights in `qtype`, norms in F32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.block_count", cfg.n_layers)
@@ -115,8 +146,17 @@ def write_gguf(path: Path, cfg: ModelConfig, state: dict[str, np.ndarray], arch:
             w.add_float32(k, v)
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
-        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg.rope_theta, cfg.head_dim, s.factor, s.low_freq_factor,
-                                                            s.high_freq_factor, s.original_max_position_embeddings))
+        w.add_tensor(
+            "rope_freqs.weight",
+            llama3_rope_freqs(
+                cfg.rope_theta,
+                cfg.head_dim,
+                s.factor,
+                s.low_freq_factor,
+                s.high_freq_factor,
+                s.original_max_position_embeddings,
+            ),
+        )
     for hf, t in state.items():
         name = gguf_name(hf)
         if name in drop:

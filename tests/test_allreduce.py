@@ -33,8 +33,9 @@ def _worker() -> dict:
     mesh = make_mesh(2)
     x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
     x16 = jnp.asarray(x, jnp.bfloat16)  # rows [0, 2) on device 0, [2, 4) on device 1
-    run = lambda fn: np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
-                                                      check_vma=False))(x16), np.float32)
+    run = lambda fn: np.asarray(
+        jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))(x16), np.float32
+    )
     got, ref = run(lambda v: allreduce.all_reduce(v, AXIS)), run(lambda v: jax.lax.psum(v, AXIS))
     host = (np.asarray(x16[:2], np.float32) + np.asarray(x16[2:], np.float32)).astype(jnp.bfloat16).astype(np.float32)
     # with a residual: r + psum(x), r = x / 4 (exact in bf16), against the host's two roundings
@@ -55,7 +56,6 @@ def _worker() -> dict:
     # the buffers as arguments, the second engine found the first one's tracers in jit's cache
     # (UnexpectedTracerError on the GPU; here "Computation compiled for 23 inputs but called with 21").
     from jaxdecode.decode import Engine
-
     from kernels.rms_norm import rms_norm_reference
 
     def stand_in(v, axis, state, mailbox, residual=None, norm=None):
@@ -75,12 +75,17 @@ def _worker() -> dict:
             second_engine.append(engine.generate([[1, 2, 3]], max_new_tokens=4, chunk=2).token_ids)
         except (jax.errors.UnexpectedTracerError, TypeError) as e:  # the two ways the stale trace showed
             second_engine.append(f"{type(e).__name__}: {str(e)[:200]}")
-    return {"equal_psum": bool(np.array_equal(got, ref)), "equal_host": bool(np.array_equal(got[:2], host)),
-            "wrap_state": wrap_state, "two_engines": second_engine,
-            "residual_equal_host": bool(np.array_equal(with_residual[:2], host_residual)),
-            "devices_equal": bool(np.array_equal(got[:2], got[2:])),
-            "runs": [r.length for r in plan.report.runs], "layers": cfg.n_layers,
-            "kernels_in_step": step.count("mpmd_map")}
+    return {
+        "equal_psum": bool(np.array_equal(got, ref)),
+        "equal_host": bool(np.array_equal(got[:2], host)),
+        "wrap_state": wrap_state,
+        "two_engines": second_engine,
+        "residual_equal_host": bool(np.array_equal(with_residual[:2], host_residual)),
+        "devices_equal": bool(np.array_equal(got[:2], got[2:])),
+        "runs": [r.length for r in plan.report.runs],
+        "layers": cfg.n_layers,
+        "kernels_in_step": step.count("mpmd_map"),
+    }
 
 
 if __name__ == "__main__" and os.environ.get("ALLREDUCE_TEST_WORKER"):
@@ -93,10 +98,20 @@ if __name__ == "__main__" and os.environ.get("ALLREDUCE_TEST_WORKER"):
 
 @pytest.fixture(scope="module")
 def worker():
-    env = {**os.environ, "ALLREDUCE_TEST_WORKER": "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "ALLREDUCE_TEST_WORKER": "1",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip(),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -128,8 +143,11 @@ def test_layers_calling_the_kernel_still_loop(worker):
 
 def test_kernel_refuses_inputs_it_does_not_take():
     assert allreduce.fits(jnp.zeros((8, 4096), jnp.bfloat16))
-    for bad in (jnp.zeros((1, 4096), jnp.float32), jnp.zeros((1, 100), jnp.bfloat16),
-                jnp.zeros((32, 4096), jnp.bfloat16)):
+    for bad in (
+        jnp.zeros((1, 4096), jnp.float32),
+        jnp.zeros((1, 100), jnp.bfloat16),
+        jnp.zeros((32, 4096), jnp.bfloat16),
+    ):
         assert not allreduce.fits(bad)
         with pytest.raises(ValueError, match="all-reduce kernel takes"):
             allreduce.all_reduce_kernel(bad, "tp", 2)
@@ -176,8 +194,11 @@ def test_kernel_equals_psum_on_gpus(batch, impl):
     mesh = make_mesh(2)
     # the same arrays for every call below
     bufs = allreduce.persistent_buffers(mesh, AXIS, jnp.bfloat16, start=-3 if impl == "persistent_wrap" else 0)
-    kernel = ((lambda v, *b: allreduce.all_reduce_kernel(v, AXIS, 2)) if impl == "barrier"
-              else (lambda v, *b: allreduce.all_reduce_persistent(v, AXIS, *b)))
+    kernel = (
+        (lambda v, *b: allreduce.all_reduce_kernel(v, AXIS, 2))
+        if impl == "barrier"
+        else (lambda v, *b: allreduce.all_reduce_persistent(v, AXIS, *b))
+    )
     psum = lambda v, *b: jax.lax.psum(v, AXIS)
 
     def sharded(fn):
@@ -192,6 +213,7 @@ def test_kernel_equals_psum_on_gpus(batch, impl):
         def body(v, *b):
             bump = (jax.lax.axis_index(AXIS) + 1).astype(v.dtype) * jnp.asarray(1e-2, v.dtype)
             return jax.lax.fori_loop(0, 50, lambda i, v: reduce(v, *b) * jnp.asarray(0.5, v.dtype) + bump, v)
+
         return sharded(body)(x)
 
     assert np.array_equal(loop(kernel), loop(psum))
@@ -221,8 +243,9 @@ def test_kernel_with_residual_equals_psum_then_add_on_gpus(batch):
     reference = lambda v, r, *b: r + jax.lax.psum(v, AXIS)  # noqa: E731
 
     def sharded(fn):
-        run = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(), P(AXIS), P(AXIS)), out_specs=P(AXIS),
-                                    check_vma=False))
+        run = jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(), P(AXIS), P(AXIS)), out_specs=P(AXIS), check_vma=False)
+        )
         return lambda v, r: np.asarray(run(v, r, *bufs), np.float32)
 
     rng = np.random.default_rng(batch)
@@ -238,6 +261,7 @@ def test_kernel_with_residual_equals_psum_then_add_on_gpus(batch):
             v, r = carry
             bump = (jax.lax.axis_index(AXIS) + 1).astype(v.dtype) * jnp.asarray(1e-2, v.dtype)
             return v * jnp.asarray(0.5, v.dtype) + bump, kernel(v, r, *b)
+
         return jax.lax.fori_loop(0, 50, step, (v, r))[1]
 
     looped = sharded(body)(x, r)
@@ -280,9 +304,18 @@ def test_kernel_with_norm_equals_psum_add_then_norm_on_gpus(batch, dim):
                 v, r, _ = carry
                 s, n = fn(v, r, w, *b)
                 return v * jnp.asarray(0.5, v.dtype), s, n
+
             return jax.lax.fori_loop(0, steps, step, (v, r, r))[1:]
-        run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P(AXIS), P(AXIS)),
-                                    out_specs=(P(AXIS), P(AXIS)), check_vma=False))
+
+        run = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(AXIS), P(), P(), P(AXIS), P(AXIS)),
+                out_specs=(P(AXIS), P(AXIS)),
+                check_vma=False,
+            )
+        )
         return lambda v, r: [np.asarray(a, np.float32) for a in run(v, r, weights, *bufs)]
 
     x = jnp.asarray(rng.standard_normal((2 * batch, dim)), jnp.bfloat16)  # each device's partial

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from hf_reference import hf_model, state_dict_numpy
+
 from jaxdecode import bench_peers
 from jaxdecode.bench import cache_length, time_engine
 from jaxdecode.cli import main
@@ -26,8 +26,21 @@ REL = 1e-9  # the derived numbers are computed from the raw ones in float64
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    argv = ["bench", "--models", "tiny-gqa", "--batches", ",".join(map(str, BATCHES)), "--contexts", str(CONTEXT),
-            "--peers", "unrolled,scan,hf_eager", "--steps", str(STEPS), "--out", str(out)]
+    argv = [
+        "bench",
+        "--models",
+        "tiny-gqa",
+        "--batches",
+        ",".join(map(str, BATCHES)),
+        "--contexts",
+        str(CONTEXT),
+        "--peers",
+        "unrolled,scan,hf_eager",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert main(argv) == 0
@@ -43,8 +56,21 @@ def test_rows_cover_every_system_and_config(suite):
     assert summary["summary"] is True and summary["rows"] == len(rows) and not summary["errors"]
     assert not summary["skipped"]
     for r in rows:
-        assert {"model", "system", "batch", "context", "ms_per_token", "tok_s", "pct_roofline", "first_call_s",
-                "prefill_ms", "bytes_per_step", "read_ceiling_gb_s", "device", "est_s"} <= r.keys()
+        assert {
+            "model",
+            "system",
+            "batch",
+            "context",
+            "ms_per_token",
+            "tok_s",
+            "pct_roofline",
+            "first_call_s",
+            "prefill_ms",
+            "bytes_per_step",
+            "read_ceiling_gb_s",
+            "device",
+            "est_s",
+        } <= r.keys()
         assert r["context"] == CONTEXT and r["prompt_len"] == PROMPT and r["steps"] == STEPS
         assert r["first_call_s"] > 0 and r["prefill_ms"] > 0 and r["ms_per_token"] > 0
 
@@ -63,8 +89,9 @@ def test_rows_are_internally_consistent(suite):
         if r["system"] != "ours":
             ratio = ours[r["batch"]]["tok_s"] / r["tok_s"]
             assert r["ours_over_peer"] == pytest.approx(ratio, rel=REL)
-            assert summary["ratios_ours_over_peer"][f"tiny-gqa B{r['batch']} ctx{CONTEXT}"][r["system"]] == \
-                pytest.approx(ratio, rel=REL)
+            assert summary["ratios_ours_over_peer"][f"tiny-gqa B{r['batch']} ctx{CONTEXT}"][
+                r["system"]
+            ] == pytest.approx(ratio, rel=REL)
             assert r["tokens_agree"] == 1 + STEPS, f"{r['system']} B{r['batch']} decoded other tokens than ours"
 
 
@@ -101,8 +128,14 @@ def test_hf_eager_decodes_our_greedy_tokens():
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
     steps = 6
     with torch.no_grad():
-        generated = hf.generate(torch.as_tensor(prompts), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)[:, prompts.shape[1]:].numpy()
+        generated = hf.generate(
+            torch.as_tensor(prompts),
+            max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[:, prompts.shape[1] :].numpy()
     loop = bench_peers.time_hf(hf, prompts, context=0, steps=steps, compiled=False).tokens
     np.testing.assert_array_equal(loop, generated)
     engine = Engine(model)
@@ -119,8 +152,18 @@ def test_dry_run_prints_the_gpu_suite(capsys):
 
 
 def test_peer_restricted_to_some_configs(capsys):
-    argv = ["bench", "--dry-run", "--models", "llama-3.1-8b", "--batches", "1,32", "--contexts", "1k,8k",
-            "--peers", "scan,hf_static@1x1k+32x8k"]
+    argv = [
+        "bench",
+        "--dry-run",
+        "--models",
+        "llama-3.1-8b",
+        "--batches",
+        "1,32",
+        "--contexts",
+        "1k,8k",
+        "--peers",
+        "scan,hf_static@1x1k+32x8k",
+    ]
     assert main(argv) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "llama-3.1-8b" in line]
     assert len(lines) == 4 and all("scan" in line for line in lines)
@@ -132,14 +175,17 @@ def test_peer_restricted_to_some_configs(capsys):
     assert [("hf_static" in line) for line in lines] == [True, False, False, True]
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--peers", "vllm"], "vllm"),
-    (["--contexts", "1k,big"], "--contexts"),
-    (["--models", "tiny-gqa", "--contexts", "60"], "exceeds the model's context of 64"),
-    (["--models", "llama-9b"], "llama-9b"),
-    (["--peers", "hf_static@1by1k"], "NAME@BxC"),
-    (["--peers", "scan,scan"], "twice"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--peers", "vllm"], "vllm"),
+        (["--contexts", "1k,big"], "--contexts"),
+        (["--models", "tiny-gqa", "--contexts", "60"], "exceeds the model's context of 64"),
+        (["--models", "llama-9b"], "llama-9b"),
+        (["--peers", "hf_static@1by1k"], "NAME@BxC"),
+        (["--peers", "scan,scan"], "twice"),
+    ],
+)
 def test_bad_suite_flags_exit_2(argv, match, capsys):
     assert main(["bench", "--dry-run", *argv]) == 2
     err = capsys.readouterr().err

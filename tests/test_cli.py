@@ -17,8 +17,9 @@ def _run(argv, capsys):
 
 
 def test_generate_json_answers_paris(capsys):
-    code, out, err = _run(["generate", "What is the capital of France?", "--chat", "--json",
-                           "--max-new-tokens", "24"], capsys)
+    code, out, err = _run(
+        ["generate", "What is the capital of France?", "--chat", "--json", "--max-new-tokens", "24"], capsys
+    )
     assert code == 0
     result = json.loads(out.strip().splitlines()[-1])
     assert "Paris" in result["text"]
@@ -35,18 +36,21 @@ def _gguf_variant(tmp_path, name, mutate):
     return str(path)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "nonexistent"),
-    (["generate", "hi", "--model", "llama-8b"], "llama-8b"),
-    (["generate", "hi", "--temperature", "-1"], "temperature"),
-    (["generate", "hi", "--temperature", "nan"], "temperature"),
-    (["generate", "hi", "--top-p", "0"], "top_p"),
-    (["generate", "hi", "--top-p", "1.5"], "top_p"),
-    (["generate", "hi", "--top-k", "-3"], "top_k"),
-    (["generate", ""], "empty prompt"),
-    (["generate", "hi", "--max-new-tokens", "many"], "invalid int"),
-    (["frobnicate"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], "nonexistent"),
+        (["generate", "hi", "--model", "llama-8b"], "llama-8b"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--temperature", "nan"], "temperature"),
+        (["generate", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "hi", "--top-p", "1.5"], "top_p"),
+        (["generate", "hi", "--top-k", "-3"], "top_k"),
+        (["generate", ""], "empty prompt"),
+        (["generate", "hi", "--max-new-tokens", "many"], "invalid int"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(argv, match, capsys):
     code, out, err = _run(argv, capsys)
     assert code == 2
@@ -65,16 +69,21 @@ def test_prompt_longer_than_context_exits_2(capsys):
 
 
 def test_real_process_prints_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "jaxdecode.cli", "generate", "hi", "--top-k", "-1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdecode.cli", "generate", "hi", "--top-k", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["jaxdecode: error: top_k must be an integer >= 0, got -1"]
 
 
 def test_help_on_every_command():
     for cmd in ([], ["generate"], ["chat"], ["bench"], ["loop-report"], ["rdu"], ["tune"]):
-        proc = subprocess.run([sys.executable, "-m", "jaxdecode.cli", *cmd, "--help"], capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxdecode.cli", *cmd, "--help"], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 0 and "usage: jaxdecode" in proc.stdout
 
 
@@ -82,8 +91,18 @@ def test_compile_cache_is_filled_and_reused(tmp_path):
     """--compile-cache: the first run writes compiled programs there; a second process with the same
     model and shapes reads them back and generates the same tokens."""
     cache = tmp_path / "xla-cache"
-    argv = [sys.executable, "-m", "jaxdecode.cli", "generate", "The capital of France is", "--max-new-tokens", "6",
-            "--json", "--compile-cache", str(cache)]
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxdecode.cli",
+        "generate",
+        "The capital of France is",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--compile-cache",
+        str(cache),
+    ]
     first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     entries = sorted(p.name for p in cache.iterdir())

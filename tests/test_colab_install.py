@@ -63,12 +63,15 @@ def test_install_cell_in_a_fresh_environment(tmp_path):
     assert before.stdout.split() == ["None", "None"], before.stdout
 
     cell = install_cells()[0]
-    installed = subprocess.run([python, "-c", cell], cwd=tmp_path, env=env, capture_output=True, text=True,
-                               timeout=INSTALL_TIMEOUT_S)
+    installed = subprocess.run(
+        [python, "-c", cell], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S
+    )
     if installed.returncode:
         pytest.fail(f"the install cell failed:\n{installed.stderr[-3000:]}", pytrace=False)
-    assert installed.stdout.split() == [f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
-                                        "0.11.2"], installed.stdout
+    assert installed.stdout.split() == [
+        f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
+        "0.11.2",
+    ], installed.stdout
 
     smoke = subprocess.run([python, "-c", SMOKE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     if smoke.returncode:

@@ -6,9 +6,17 @@ from jaxdecode.config import PRESETS, ModelConfig, get_preset
 
 # Published parameter counts (billions), from the model cards.
 PUBLISHED_B = {
-    "smollm2-135m": 0.1345, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.1-405b": 405.85,
-    "llama-3.2-1b": 1.236, "llama-3.2-3b": 3.213, "llama-2-7b": 6.738, "mistral-7b": 7.242,
-    "qwen2.5-0.5b": 0.494, "qwen2.5-7b": 7.616, "qwen2.5-72b": 72.71,
+    "smollm2-135m": 0.1345,
+    "llama-3.1-8b": 8.03,
+    "llama-3.1-70b": 70.55,
+    "llama-3.1-405b": 405.85,
+    "llama-3.2-1b": 1.236,
+    "llama-3.2-3b": 3.213,
+    "llama-2-7b": 6.738,
+    "mistral-7b": 7.242,
+    "qwen2.5-0.5b": 0.494,
+    "qwen2.5-7b": 7.616,
+    "qwen2.5-72b": 72.71,
 }
 
 

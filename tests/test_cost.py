@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxdecode.config import ModelConfig, PRESETS
+from jaxdecode.config import PRESETS, ModelConfig
 from jaxdecode.cost import GIB, decode_cost, paper_table1
 
 

@@ -25,7 +25,7 @@ def test_cached_decode_equals_full_forward(engine):
     seq = prompt + gen.token_ids[0]
     full = engine.forward_logits(np.array([seq[:-1]]))  # [1, T, V]
     # Greedy decoding picked the argmax of the full-sequence logits at every generated position.
-    assert np.argmax(full[0, len(prompt) - 1:], axis=-1).tolist() == gen.token_ids[0]
+    assert np.argmax(full[0, len(prompt) - 1 :], axis=-1).tolist() == gen.token_ids[0]
 
 
 def test_cached_step_logits_equal_full_forward_logits(engine):
@@ -76,11 +76,14 @@ def test_chunks_stream_in_order(engine):
     assert streamed == engine.generate([prompt], max_new_tokens=10, chunk=3).token_ids[0]
 
 
-@pytest.mark.parametrize("prompts, kwargs, match", [
-    ([[]], {}, "empty prompt"),
-    ([[1] * 60], {"max_new_tokens": 10}, "exceeds the model's context of 64"),
-    ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        ([[]], {}, "empty prompt"),
+        ([[1] * 60], {"max_new_tokens": 10}, "exceeds the model's context of 64"),
+        ([[1]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
 def test_bad_requests_are_refused(engine, prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, **kwargs)

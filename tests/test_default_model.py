@@ -1,7 +1,6 @@
 """The shipped default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against HF transformers loading the same file."""
 
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -52,7 +51,7 @@ def _hf_greedy(model, ids, n):
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def test_first_step_logits_equal_transformers(ours, hf):

@@ -12,8 +12,8 @@ import random
 import signal
 import struct
 import time
-import tracemalloc
 import traceback
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -54,13 +54,13 @@ def mutate(data: bytes, rng: random.Random, hot: int) -> bytes:
         elif kind == 2:  # an interesting little-endian integer over a count, length, type or offset
             width = rng.choice([4, 8])
             v = rng.choice(INTERESTING + [len(b), len(b) - 1, len(b) + 1, rng.randrange(2**width)]) % 2**width
-            b[pos:pos + width] = v.to_bytes(width, "little")
+            b[pos : pos + width] = v.to_bytes(width, "little")
         elif kind == 3:  # truncate
-            del b[rng.randrange(len(b) + 1):]
+            del b[rng.randrange(len(b) + 1) :]
         elif kind == 4:  # delete a run
-            del b[pos:pos + rng.randint(1, 16)]
+            del b[pos : pos + rng.randint(1, 16)]
         else:  # duplicate a run
-            b[pos:pos] = b[pos:pos + rng.randint(1, 16)]
+            b[pos:pos] = b[pos : pos + rng.randint(1, 16)]
     return bytes(b)
 
 
@@ -107,8 +107,13 @@ def _gguf_seeds(tmp_path):
     seeds = []
     for j, (arch, qtype) in enumerate([("llama", QT.F32), ("qwen2", QT.Q4_1), ("llama", QT.Q8_0)]):
         cfg = TINY.replace(qkv_bias=arch == "qwen2")
-        p = write_gguf(tmp_path / f"seed{j}.gguf", cfg, random_hf_state(cfg, seed=j) if arch == "qwen2" else state,
-                       arch=arch, qtype=qtype)
+        p = write_gguf(
+            tmp_path / f"seed{j}.gguf",
+            cfg,
+            random_hf_state(cfg, seed=j) if arch == "qwen2" else state,
+            arch=arch,
+            qtype=qtype,
+        )
         f = read_gguf(p)
         seeds.append((p.read_bytes(), min(t.offset for t in f.tensors.values())))  # hot: the header
     return seeds
@@ -141,27 +146,52 @@ def _st_seed(tmp_path) -> tuple[bytes, str]:
     state = random_hf_state(TINY, seed=4)
     state["model.norm.weight"] = state["model.norm.weight"].astype(np.float16)  # two dtypes
     save_file(state, tmp_path / "seed.safetensors")
-    config = dict(architectures=["LlamaForCausalLM"], vocab_size=TINY.vocab_size, hidden_size=TINY.dim,
-                  num_hidden_layers=TINY.n_layers, num_attention_heads=TINY.n_heads,
-                  num_key_value_heads=TINY.n_kv_heads, intermediate_size=TINY.ffn_dim,
-                  max_position_embeddings=TINY.max_seq_len, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=TINY.vocab_size,
+        hidden_size=TINY.dim,
+        num_hidden_layers=TINY.n_layers,
+        num_attention_heads=TINY.n_heads,
+        num_key_value_heads=TINY.n_kv_heads,
+        intermediate_size=TINY.ffn_dim,
+        max_position_embeddings=TINY.max_seq_len,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     return (tmp_path / "seed.safetensors").read_bytes(), json.dumps(config)
 
 
 def _mutate_header_json(data: bytes, rng: random.Random) -> bytes:
     """Structure-aware: change one field of the JSON header and re-serialize it with a correct length."""
     n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     name = rng.choice([k for k in header if k != "__metadata__"])
     field = rng.choice(["dtype", "shape", "data_offsets", None])
-    value = rng.choice([None, "BF16", "I32", "F8_E4M3", "Q4", -1, 2**70, [], [2**40, 2**40], [3, -1], [1.5],
-                        [0, 10**9], "x", {"a": [[[]]]}, [[0, 1]]])
+    value = rng.choice(
+        [
+            None,
+            "BF16",
+            "I32",
+            "F8_E4M3",
+            "Q4",
+            -1,
+            2**70,
+            [],
+            [2**40, 2**40],
+            [3, -1],
+            [1.5],
+            [0, 10**9],
+            "x",
+            {"a": [[[]]]},
+            [[0, 1]],
+        ]
+    )
     if field is None:
         header[name] = value
     else:
         header[name][field] = value
     body = json.dumps(header).encode()
-    return struct.pack("<Q", len(body)) + body + data[8 + n:]
+    return struct.pack("<Q", len(body)) + body + data[8 + n :]
 
 
 def test_fuzz_safetensors(tmp_path):
@@ -185,8 +215,9 @@ def test_fuzz_safetensors(tmp_path):
         return d / "model.safetensors", data
 
     t0 = time.perf_counter()
-    failures, kinds, loaded = run_cases(N_SAFETENSORS, make, lambda p: load_hf_dir(p.parent), read_safetensors,
-                                        [(seed, hot), (seed, len(seed))], rng)
+    failures, kinds, loaded = run_cases(
+        N_SAFETENSORS, make, lambda p: load_hf_dir(p.parent), read_safetensors, [(seed, hot), (seed, len(seed))], rng
+    )
     elapsed = time.perf_counter() - t0
     assert not failures, f"{len(failures)} bad cases; first: {failures[:3]}"
     assert len(kinds) >= 6, kinds
@@ -202,7 +233,7 @@ def test_fuzz_total_count():
 def test_huge_array_count_is_rejected_before_allocating(tmp_path, value):
     """Hand-made: an array of u8 whose count claims far more than the file holds."""
     key = b"test.big"
-    body = (struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 0, value))
+    body = struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 0, value)
     p = tmp_path / "big.gguf"
     p.write_bytes(b"GGUF" + body + b"\0" * 64)
     tracemalloc.start()

@@ -19,12 +19,14 @@ from jaxdecode.decode import Engine
 from jaxdecode.model import init_random
 from kernels import dispatch
 
-pytestmark = pytest.mark.skipif(dispatch.gpu_kind() not in ("H100", "H200"),
-                                reason="the in-place kernels need a Hopper GPU")
+pytestmark = pytest.mark.skipif(
+    dispatch.gpu_kind() not in ("H100", "H200"), reason="the in-place kernels need a Hopper GPU"
+)
 
 # Every projection tiles for the flat GEMM (multiples of 64 and 256), GQA 4:1, head_dim 64.
-CFG = ModelConfig(name="gpu-small", vocab_size=2048, dim=512, n_layers=4, n_heads=8, n_kv_heads=2,
-                  ffn_dim=1536, max_seq_len=512)
+CFG = ModelConfig(
+    name="gpu-small", vocab_size=2048, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=1536, max_seq_len=512
+)
 PROMPT, STEPS, BATCH = 24, 8, 2
 
 
@@ -38,7 +40,7 @@ def _teacher_forced_logits(engine: Engine, prompt: np.ndarray, forced: np.ndarra
     out = [np.asarray(logits[:, -1], np.float32)]
     for s in range(forced.shape[1]):
         pos = jnp.full((b, 1), t + s, jnp.int32)
-        logits, cache = forward(engine.params, jnp.asarray(forced[:, s:s + 1]), pos, cache)
+        logits, cache = forward(engine.params, jnp.asarray(forced[:, s : s + 1]), pos, cache)
         out.append(np.asarray(logits[:, 0], np.float32))
     return np.stack(out, axis=1)
 
@@ -46,8 +48,12 @@ def _teacher_forced_logits(engine: Engine, prompt: np.ndarray, forced: np.ndarra
 def _rounded_copy(model):
     """A bf16 model holding `model`'s parameters rounded to bf16 (its own random draws would differ)."""
     copy = init_random(CFG, dtype=jnp.bfloat16)
-    nnx.update(copy, jax.tree.map(lambda mine, theirs: theirs.astype(mine.dtype),
-                                  nnx.state(copy, nnx.Param), nnx.state(model, nnx.Param)))
+    nnx.update(
+        copy,
+        jax.tree.map(
+            lambda mine, theirs: theirs.astype(mine.dtype), nnx.state(copy, nnx.Param), nnx.state(model, nnx.Param)
+        ),
+    )
     return copy
 
 
@@ -60,13 +66,28 @@ def test_looped_in_place_bf16_is_as_accurate_as_unrolled():
         reference = _teacher_forced_logits(Engine(f32, loop_layers=False), prompt, forced)
     bf16 = _rounded_copy(f32)
     looped = Engine(bf16, loop_mode="inplace")
-    hlo = jax.jit(looped.forward).lower(looped.params, jnp.zeros((BATCH, 1), jnp.int32),
-                                        jnp.zeros((BATCH, 1), jnp.int32), looped.new_cache(BATCH, 128)).as_text()
+    hlo = (
+        jax.jit(looped.forward)
+        .lower(
+            looped.params,
+            jnp.zeros((BATCH, 1), jnp.int32),
+            jnp.zeros((BATCH, 1), jnp.int32),
+            looped.new_cache(BATCH, 128),
+        )
+        .as_text()
+    )
     assert "mosaic" in hlo.lower() or "triton" in hlo.lower(), "the decode step runs no Pallas kernel"
     err_looped = np.abs(_teacher_forced_logits(looped, prompt, forced) - reference).max(axis=(0, 2))  # [steps]
-    err_unrolled = np.abs(_teacher_forced_logits(Engine(bf16, loop_layers=False), prompt, forced)
-                          - reference).max(axis=(0, 2))
+    err_unrolled = np.abs(_teacher_forced_logits(Engine(bf16, loop_layers=False), prompt, forced) - reference).max(
+        axis=(0, 2)
+    )
     scale = np.abs(reference).max()
-    print("max |logit error| per step, looped:", err_looped.round(4), "unrolled:", err_unrolled.round(4),
-          "logit scale:", round(float(scale), 3))
+    print(
+        "max |logit error| per step, looped:",
+        err_looped.round(4),
+        "unrolled:",
+        err_unrolled.round(4),
+        "logit scale:",
+        round(float(scale), 3),
+    )
     assert (err_looped <= 2 * err_unrolled + 1e-3 * scale).all()

@@ -13,8 +13,17 @@ from jax import lax
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
 from jaxdecode.inplace import SplitSum, StackedRef, output_aliases
-from jaxdecode.looped_model import (LoopedForward, kernel_attention, kernel_calls, kernel_qkv, kernel_residual_norm,
-                                    kernel_rms_norm, kernel_split_residual_norm, kernel_stacked_dot, kernel_swiglu)
+from jaxdecode.looped_model import (
+    LoopedForward,
+    kernel_attention,
+    kernel_calls,
+    kernel_qkv,
+    kernel_residual_norm,
+    kernel_rms_norm,
+    kernel_split_residual_norm,
+    kernel_stacked_dot,
+    kernel_swiglu,
+)
 from jaxdecode.looping import kernel_loop
 from jaxdecode.model import init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
@@ -26,8 +35,9 @@ RTOL = ATOL = 1e-5  # f32; the interpret-mode kernel sums K in tiles, so the ord
 TINY_BLOCKS = BlockSizes(tile_n=16, tile_k=16)  # divides every tiny-config width (48, 80, 16)
 interpret_dot = functools.partial(kernel_stacked_dot, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
 # The decode attention kernel in interpret mode; block_k 16 divides the engine's 64-aligned caches.
-interpret_attention = functools.partial(kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2),
-                                        interpret=True)
+interpret_attention = functools.partial(
+    kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2), interpret=True
+)
 interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
 interpret_norm = functools.partial(kernel_rms_norm, impl="triton", interpret=True)
 interpret_residual_norm = functools.partial(kernel_split_residual_norm, impl="triton", interpret=True)
@@ -40,8 +50,9 @@ def stream_reference(x, ws, layer, *, out_dtype):
 
 
 # The qkv hook with the reference injected (no Mosaic GPU on the CPU); tiles of 16 divide 48 and 16.
-reference_qkv = functools.partial(kernel_qkv, impl="stream", gemm=stream_reference,
-                                  block_sizes=StreamBlocks(tile_n=16, tile_k=16))
+reference_qkv = functools.partial(
+    kernel_qkv, impl="stream", gemm=stream_reference, block_sizes=StreamBlocks(tile_n=16, tile_k=16)
+)
 
 
 def _plain_dot(x, stack, i, out_dtype):  # reads W[i] with a dynamic slice: the same values as a dot on the row
@@ -53,6 +64,7 @@ def _recording(calls):
     def dot(x, stack, i, out_dtype):
         calls.append((x.shape, stack.shape))
         return _plain_dot(x, stack, i, out_dtype)
+
     return dot
 
 
@@ -70,19 +82,30 @@ def _row_reads_feeding_dots(body) -> int:
         found = 0
         for eqn in jaxpr.eqns:
             ins = [a for a in eqn.invars if not hasattr(a, "val")]
-            if eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] == "dynamic_index_in_dim" \
-                    and ins and ins[0] in stack_vars:
+            if (
+                eqn.primitive.name in ("jit", "pjit")
+                and eqn.params["name"] == "dynamic_index_in_dim"
+                and ins
+                and ins[0] in stack_vars
+            ):
                 rows.update(eqn.outvars)
-            elif eqn.primitive.name in ("dynamic_slice", "squeeze", "reshape") and ins and (
-                    ins[0] in stack_vars or ins[0] in rows):
+            elif (
+                eqn.primitive.name in ("dynamic_slice", "squeeze", "reshape")
+                and ins
+                and (ins[0] in stack_vars or ins[0] in rows)
+            ):
                 rows.update(eqn.outvars)
             elif eqn.primitive.name == "dot_general":
                 found += not hasattr(eqn.invars[1], "val") and eqn.invars[1] in rows
-            elif eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] not in ("flat_gemm", "flat_gemm_partials"):
+            elif eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] not in (
+                "flat_gemm",
+                "flat_gemm_partials",
+            ):
                 inner = eqn.params["jaxpr"].jaxpr if hasattr(eqn.params["jaxpr"], "jaxpr") else eqn.params["jaxpr"]
                 pairs = [(iv, ov) for iv, ov in zip(inner.invars, eqn.invars) if not hasattr(ov, "val")]
-                found += count(inner, {iv for iv, ov in pairs if ov in stack_vars},
-                               {iv for iv, ov in pairs if ov in rows})
+                found += count(
+                    inner, {iv for iv, ov in pairs if ov in stack_vars}, {iv for iv, ov in pairs if ov in rows}
+                )
         return found
 
     return count(body, stacks, set())
@@ -132,8 +155,10 @@ def odd_block(p, x):
 
 def test_non_matching_dots_use_the_row():
     keys = jax.random.split(jax.random.key(1), 2 * 3)
-    layers = [dict(w=jax.random.normal(keys[2 * i], (8, 8)), wb=jax.random.normal(keys[2 * i + 1], (1, 8, 8)))
-              for i in range(3)]
+    layers = [
+        dict(w=jax.random.normal(keys[2 * i], (8, 8)), wb=jax.random.normal(keys[2 * i + 1], (1, 8, 8)))
+        for i in range(3)
+    ]
 
     def f(params, x):
         for p in params:
@@ -157,7 +182,10 @@ def test_cache_rides_in_the_carry():
     plan = kernel_loop_inplace(args, _plain_dot)
     body_call = plan._analysis.runs()[0][0]
     callee = body_call.calls[0].params["jaxpr"]
-    assert output_aliases(callee, body_call.stacked, body_call.ys) == {7: 1, 8: 2}  # leaves: 6 weights, x, k_cache, v_cache
+    assert output_aliases(callee, body_call.stacked, body_call.ys) == {
+        7: 1,
+        8: 2,
+    }  # leaves: 6 weights, x, k_cache, v_cache
     body = _scan_body(plan.jaxpr)
     stacks = {v for v in body.invars if v.aval.shape == (L, args[1][0][0].shape[0], D)}  # [L, S, D]
     writes = [e for e in body.eqns if e.primitive.name == "dynamic_update_slice" and e.invars[0] in stacks]
@@ -170,12 +198,22 @@ def tiny():
     return init_random(get_preset("tiny-gqa"))
 
 
-def _inplace_engine(model, dot=interpret_dot, attention=interpret_attention, swiglu=interpret_swiglu, qkv=None,
-                    norm=interpret_norm, residual_norm=None):
+def _inplace_engine(
+    model,
+    dot=interpret_dot,
+    attention=interpret_attention,
+    swiglu=interpret_swiglu,
+    qkv=None,
+    norm=interpret_norm,
+    residual_norm=None,
+):
     engine = Engine(model, loop_mode="inplace")
     engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
-    engine._plan._calls = {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm} | ({"qkv": qkv} if qkv else {}) \
+    engine._plan._calls = (
+        {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm}
+        | ({"qkv": qkv} if qkv else {})
         | ({"residual_norm": residual_norm} if residual_norm else {})
+    )
     return engine
 
 
@@ -286,12 +324,15 @@ def test_engine_split_residual_norm_equals_unrolled(tiny):
     left as `rms_norm`."""
     engine = _inplace_engine(tiny, residual_norm=interpret_residual_norm)
     tokens = np.random.default_rng(0).integers(0, tiny.cfg.vocab_size, (2, 7))
-    np.testing.assert_allclose(engine.forward_logits(tokens), Engine(tiny, loop_layers=False).forward_logits(tokens),
-                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        engine.forward_logits(tokens), Engine(tiny, loop_layers=False).forward_logits(tokens), rtol=RTOL, atol=ATOL
+    )
     for prompts in ([[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5], [7, 8, 9]]):
         kwargs = dict(max_new_tokens=6, chunk=3)
-        assert _inplace_engine(tiny, residual_norm=interpret_residual_norm).generate(prompts, **kwargs).token_ids \
+        assert (
+            _inplace_engine(tiny, residual_norm=interpret_residual_norm).generate(prompts, **kwargs).token_ids
             == Engine(tiny, loop_layers=False).generate(prompts, **kwargs).token_ids
+        )
     body = _scan_body(_decode_step_jaxpr(engine, batch=1))
     calls = [e.params["name"] for e in body.eqns if e.primitive.name in ("jit", "pjit")]
     assert calls.count("residual_rms_norm") == 1 and calls.count("rms_norm") == 1, calls
@@ -372,8 +413,13 @@ def test_qkv_hook_default_runs_the_stream_kernel():
     ws = [jax.random.normal(kk, (2, 256, n), jnp.bfloat16) for kk, n in zip(keys[1:4], (128, 64, 64))]  # [L, D, N_i]
     bs = [jax.random.normal(kk, (2, n), jnp.bfloat16) for kk, n in zip(keys[4:], (128, 64, 64))]  # [L, N_i]
     i = jnp.int32(1)
-    got = kernel_qkv(x, *(StackedRef(a, i) for a in ws + bs), impl="stream", interpret=True,
-                     block_sizes=StreamBlocks(tile_n=64, tile_k=128, ctas=3))
+    got = kernel_qkv(
+        x,
+        *(StackedRef(a, i) for a in ws + bs),
+        impl="stream",
+        interpret=True,
+        block_sizes=StreamBlocks(tile_n=64, tile_k=128, ctas=3),
+    )
     want = [y + b[1] for y, b in zip(flat_gemm_multi_reference(x, ws, 1), bs)]
     for a, b in zip(got, want):  # f32 sums in another order, one bf16 rounding: 1 ulp (< 1%) of slack
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
@@ -390,7 +436,8 @@ def test_dot_and_swiglu_hooks_run_the_stream_kernel():
     close = functools.partial(np.testing.assert_allclose, rtol=1e-2, atol=1e-2)
     y = kernel_stacked_dot(x, wg, i, jnp.bfloat16, impl="stream", block_sizes=blocks, interpret=True)
     close(np.asarray(y, np.float32), np.asarray(flat_gemm_multi_reference(x, (wg,), 1)[0], np.float32))
-    (h,) = kernel_swiglu(x[None], StackedRef(wg, i), StackedRef(wu, i), impl="stream", block_sizes=blocks,
-                         interpret=True)  # x [1, M, D]
+    (h,) = kernel_swiglu(
+        x[None], StackedRef(wg, i), StackedRef(wu, i), impl="stream", block_sizes=blocks, interpret=True
+    )  # x [1, M, D]
     g, u = flat_gemm_multi_reference(x, (wg, wu), 1, jnp.float32)
     close(np.asarray(h[0], np.float32), np.asarray((jax.nn.silu(g) * u).astype(jnp.bfloat16), np.float32))

@@ -15,8 +15,14 @@ from jaxdecode.inplace import StackedRef
 from jaxdecode.looped_model import kernel_qkv_attend
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm_stream import StreamBlocks
-from tests.test_inplace_loop import (ATOL, RTOL, _decode_step_jaxpr, _inplace_engine, _scan_body,  # noqa: F401
-                                     qkv_model, reference_qkv)
+from tests.test_inplace_loop import (
+    ATOL,
+    RTOL,
+    _decode_step_jaxpr,
+    _inplace_engine,
+    _scan_body,  # noqa: F401
+    reference_qkv,
+)
 
 TILE = 16  # divides the tiny configs' widths (48, 16) and holds half a head (4)
 
@@ -27,10 +33,11 @@ def split_partials(x, stacks, layer, *, tile_n=TILE):
     x·W over the two halves of K (f32), slot 2 holds NaN and is never written. Returns [3, C, M8]."""
     m, k = x.shape
     m8 = -(-m // 8) * 8
-    w = jnp.concatenate([jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in stacks],
-                        axis=1).astype(jnp.float32)  # [K, C]
+    w = jnp.concatenate([jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in stacks], axis=1).astype(
+        jnp.float32
+    )  # [K, C]
     x32 = jnp.pad(x.astype(jnp.float32), ((0, m8 - m), (0, 0)))
-    halves = [x32[:, :k // 2] @ w[:k // 2], x32[:, k // 2:] @ w[k // 2:]]  # [M8, C] each
+    halves = [x32[:, : k // 2] @ w[: k // 2], x32[:, k // 2 :] @ w[k // 2 :]]  # [M8, C] each
     return jnp.stack([h.T for h in halves] + [jnp.full((w.shape[1], m8), jnp.nan)])
 
 
@@ -43,8 +50,13 @@ def reference_partials(x, stacks, layer, tile=TILE):
 
 
 interpret_qkv_attend = functools.partial(
-    kernel_qkv_attend, impl="stream", partials=reference_partials, gemm_blocks=StreamBlocks(tile_n=TILE, tile_k=16),
-    attention_blocks=AttentionBlocks(16, 2), interpret=True)
+    kernel_qkv_attend,
+    impl="stream",
+    partials=reference_partials,
+    gemm_blocks=StreamBlocks(tile_n=TILE, tile_k=16),
+    attention_blocks=AttentionBlocks(16, 2),
+    interpret=True,
+)
 
 
 def _engine(model, qkv_attend=interpret_qkv_attend):

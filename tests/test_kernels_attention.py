@@ -25,272 +25,333 @@ BLOCKS = da.BlockSizes(block_k=32, num_splits=2)
 
 
 def _inputs(shape, seed=0, lengths=None):
-  b, t, n, kh, h, s = (shape.batch, shape.tokens, shape.num_heads, shape.num_kv_heads,
-                       shape.head_dim, shape.cache_len)
-  ks = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
-  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)
-  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.bfloat16)
-  if lengths is None:  # ragged: one short sequence, one full, the rest in between
-    lengths = np.linspace(min(t + 4, s), s, b).astype(np.int32)[::-1].copy()
-  return q, k, v, jnp.asarray(lengths, jnp.int32)
+    b, t, n, kh, h, s = (
+        shape.batch,
+        shape.tokens,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.cache_len,
+    )
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, s, kh, h), jnp.bfloat16)
+    if lengths is None:  # ragged: one short sequence, one full, the rest in between
+        lengths = np.linspace(min(t + 4, s), s, b).astype(np.int32)[::-1].copy()
+    return q, k, v, jnp.asarray(lengths, jnp.int32)
 
 
 def _close(out, ref, dtype=jnp.bfloat16):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  diff = np.abs(out - ref)
-  assert np.isfinite(out).all(), "non-finite output"
-  assert diff.max() <= ATOL[dtype], f"max diff {diff.max():.3g}, mean {diff.mean():.3g}"
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    diff = np.abs(out - ref)
+    assert np.isfinite(out).all(), "non-finite output"
+    assert diff.max() <= ATOL[dtype], f"max diff {diff.max():.3g}, mean {diff.mean():.3g}"
 
 
 class TestDecodeAttention:
-  INTERPRET = False
+    INTERPRET = False
 
-  def setup_method(self):
-    if not self.INTERPRET and not ON_GPU:
-      pytest.skip("compiled Pallas kernels need a GPU")
+    def setup_method(self):
+        if not self.INTERPRET and not ON_GPU:
+            pytest.skip("compiled Pallas kernels need a GPU")
 
-  def _async(self, q, k, v, lengths, phi, **kw):
-    return da.decode_attention_async(q, k, v, lengths, phi, block_sizes=BLOCKS,
-                                     interpret=self.INTERPRET, poison=True, **kw)
+    def _async(self, q, k, v, lengths, phi, **kw):
+        return da.decode_attention_async(
+            q, k, v, lengths, phi, block_sizes=BLOCKS, interpret=self.INTERPRET, poison=True, **kw
+        )
 
-  # tiny_gqa4_b2_s256 and tiny_mha_b1_s128 are checked against the reference by the tests below.
-  @pytest.mark.parametrize("name", [n for n in TEST_ATTENTION
-                                    if n not in ("tiny_gqa4_b2_s256", "tiny_mha_b1_s128")])
-  def test_async_matches_reference(self, name):
-    q, k, v, lengths = _inputs(TEST_ATTENTION[name])
-    ref, ref_lse = da.decode_attention_reference(q, k, v, lengths)
-    out, info = self._async(q, k, v, lengths, 0.0, recompute=False)  # fallback: tests below
-    _close(out, ref)
-    assert not info.recomputed.any(), "φ=0 suits N(0,1) logits: nothing should be flagged"
-    np.testing.assert_allclose(info.lse, ref_lse, atol=1e-3)
+    # tiny_gqa4_b2_s256 and tiny_mha_b1_s128 are checked against the reference by the tests below.
+    @pytest.mark.parametrize("name", [n for n in TEST_ATTENTION if n not in ("tiny_gqa4_b2_s256", "tiny_mha_b1_s128")])
+    def test_async_matches_reference(self, name):
+        q, k, v, lengths = _inputs(TEST_ATTENTION[name])
+        ref, ref_lse = da.decode_attention_reference(q, k, v, lengths)
+        out, info = self._async(q, k, v, lengths, 0.0, recompute=False)  # fallback: tests below
+        _close(out, ref)
+        assert not info.recomputed.any(), "φ=0 suits N(0,1) logits: nothing should be flagged"
+        np.testing.assert_allclose(info.lse, ref_lse, atol=1e-3)
 
-  @pytest.mark.parametrize("name", ["tiny_gqa4_t3_b2_s128", "tiny_gqa4_b3_s63_h128"])
-  def test_sync_matches_reference(self, name):
-    q, k, v, lengths = _inputs(TEST_ATTENTION[name], seed=1)
-    ref, _ = da.decode_attention_reference(q, k, v, lengths)
-    out = da.decode_attention_sync(q, k, v, lengths, block_sizes=BLOCKS,
-                                   interpret=self.INTERPRET, poison=True)
-    _close(out, ref)
+    @pytest.mark.parametrize("name", ["tiny_gqa4_t3_b2_s128", "tiny_gqa4_b3_s63_h128"])
+    def test_sync_matches_reference(self, name):
+        q, k, v, lengths = _inputs(TEST_ATTENTION[name], seed=1)
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        out = da.decode_attention_sync(q, k, v, lengths, block_sizes=BLOCKS, interpret=self.INTERPRET, poison=True)
+        _close(out, ref)
 
-  def test_default_blocks_unaligned_length(self):
-    """Default BlockSizes (block_k 64, splits chosen from S): S = 65 pads to 128, 2 splits."""
-    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b2_s65"], seed=5, lengths=[65, 64])
-    ref, _ = da.decode_attention_reference(q, k, v, lengths)
-    out, info = da.decode_attention_async(q, k, v, lengths, 0.0, interpret=self.INTERPRET,
-                                          poison=True)
-    _close(out, ref)
-    assert not info.recomputed.any()
+    def test_default_blocks_unaligned_length(self):
+        """Default BlockSizes (block_k 64, splits chosen from S): S = 65 pads to 128, 2 splits."""
+        q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b2_s65"], seed=5, lengths=[65, 64])
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        out, info = da.decode_attention_async(q, k, v, lengths, 0.0, interpret=self.INTERPRET, poison=True)
+        _close(out, ref)
+        assert not info.recomputed.any()
 
-  @pytest.mark.parametrize("phi", [300.0, -300.0])  # overflow / denominator underflow
-  def test_bad_phi_recomputes_every_row(self, phi):
-    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"], seed=2)
-    ref, _ = da.decode_attention_reference(q, k, v, lengths)
-    out, info = self._async(q, k, v, lengths, phi)
-    _close(out, ref)
-    assert info.recomputed.all()
-    unsafe, _ = self._async(q, k, v, lengths, phi, recompute=False)
-    assert not np.allclose(np.asarray(unsafe, np.float32), np.asarray(ref, np.float32),
-                           atol=ATOL[jnp.bfloat16], equal_nan=False), "the fallback was not needed"
+    @pytest.mark.parametrize("phi", [300.0, -300.0])  # overflow / denominator underflow
+    def test_bad_phi_recomputes_every_row(self, phi):
+        q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"], seed=2)
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        out, info = self._async(q, k, v, lengths, phi)
+        _close(out, ref)
+        assert info.recomputed.all()
+        unsafe, _ = self._async(q, k, v, lengths, phi, recompute=False)
+        assert not np.allclose(
+            np.asarray(unsafe, np.float32), np.asarray(ref, np.float32), atol=ATOL[jnp.bfloat16], equal_nan=False
+        ), "the fallback was not needed"
 
-  def test_flags_name_exactly_the_overflowing_rows(self):
-    shape = TEST_ATTENTION["tiny_gqa4_b2_s256"]
-    q, k, v, lengths = _inputs(shape, seed=3)
-    q = q.at[1, 0, 5].multiply(200.0)  # one row (b=1, n=5) with logits ~ +1e3: e^{x-φ} overflows
-    ref, _ = da.decode_attention_reference(q, k, v, lengths)
-    out, info = self._async(q, k, v, lengths, 0.0)
-    _close(out, ref)
-    expected = np.zeros((shape.batch, shape.tokens, shape.num_heads), bool)
-    expected[1, 0, 5] = True
-    np.testing.assert_array_equal(info.recomputed, expected)
+    def test_flags_name_exactly_the_overflowing_rows(self):
+        shape = TEST_ATTENTION["tiny_gqa4_b2_s256"]
+        q, k, v, lengths = _inputs(shape, seed=3)
+        q = q.at[1, 0, 5].multiply(200.0)  # one row (b=1, n=5) with logits ~ +1e3: e^{x-φ} overflows
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        out, info = self._async(q, k, v, lengths, 0.0)
+        _close(out, ref)
+        expected = np.zeros((shape.batch, shape.tokens, shape.num_heads), bool)
+        expected[1, 0, 5] = True
+        np.testing.assert_array_equal(info.recomputed, expected)
 
-  def test_traced_phi_per_layer_in_scan(self):
-    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b1_s128"], seed=4)
-    ref, _ = da.decode_attention_reference(q, k, v, lengths)
-    phis = jnp.array([0.0, 500.0], jnp.float32)  # layer 1 has a hopeless φ
+    def test_traced_phi_per_layer_in_scan(self):
+        q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b1_s128"], seed=4)
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        phis = jnp.array([0.0, 500.0], jnp.float32)  # layer 1 has a hopeless φ
 
-    def body(_, phi):
-      out, info = self._async(q, k, v, lengths, phi)
-      return None, (out, info.recomputed.mean())
+        def body(_, phi):
+            out, info = self._async(q, k, v, lengths, phi)
+            return None, (out, info.recomputed.mean())
 
-    _, (outs, rates) = jax.lax.scan(body, None, phis)
-    _close(outs[0], ref)
-    _close(outs[1], ref)
-    np.testing.assert_array_equal(rates, [0.0, 1.0])
+        _, (outs, rates) = jax.lax.scan(body, None, phis)
+        _close(outs[0], ref)
+        _close(outs[1], ref)
+        np.testing.assert_array_equal(rates, [0.0, 1.0])
 
+    @pytest.mark.parametrize("name", ["tiny_gqa4_t3_b2_s128", "tiny_gqa4_b2_s256"])
+    def test_stacked_cache_reads_the_given_layer(self, name):
+        """k, v as stacks [L, B, S, K, H] plus a traced layer index (the looped decode's form) give
+        exactly the result of that layer's cache alone, for both kernels, in a scan over the layers."""
+        shape = TEST_ATTENTION[name]
+        layers = [_inputs(shape, seed=10 + i) for i in range(3)]
+        q, lengths = layers[0][0], layers[0][3]
+        k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
+        v_stack = jnp.stack([v for _, _, v, _ in layers])
 
-  @pytest.mark.parametrize("name", ["tiny_gqa4_t3_b2_s128", "tiny_gqa4_b2_s256"])
-  def test_stacked_cache_reads_the_given_layer(self, name):
-    """k, v as stacks [L, B, S, K, H] plus a traced layer index (the looped decode's form) give
-    exactly the result of that layer's cache alone, for both kernels, in a scan over the layers."""
-    shape = TEST_ATTENTION[name]
-    layers = [_inputs(shape, seed=10 + i) for i in range(3)]
-    q, lengths = layers[0][0], layers[0][3]
-    k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
-    v_stack = jnp.stack([v for _, _, v, _ in layers])
+        def body(_, i):
+            sync = da.decode_attention_sync(
+                q, k_stack, v_stack, lengths, layer=i, block_sizes=BLOCKS, interpret=self.INTERPRET, poison=True
+            )
+            out, info = self._async(q, k_stack, v_stack, lengths, 0.0, layer=i)
+            return None, (sync, out, info.recomputed.any())
 
-    def body(_, i):
-      sync = da.decode_attention_sync(q, k_stack, v_stack, lengths, layer=i, block_sizes=BLOCKS,
-                                      interpret=self.INTERPRET, poison=True)
-      out, info = self._async(q, k_stack, v_stack, lengths, 0.0, layer=i)
-      return None, (sync, out, info.recomputed.any())
+        _, (sync, out, recomputed) = jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))
+        for i, (_, k, v, _) in enumerate(layers):
+            ref, _ = da.decode_attention_reference(q, k, v, lengths)
+            _close(sync[i], ref)
+            _close(out[i], ref)
+        assert not recomputed.any()
 
-    _, (sync, out, recomputed) = jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))
-    for i, (_, k, v, _) in enumerate(layers):
-      ref, _ = da.decode_attention_reference(q, k, v, lengths)
-      _close(sync[i], ref)
-      _close(out[i], ref)
-    assert not recomputed.any()
+    @pytest.mark.parametrize(
+        "shape",
+        [
+            AttentionShape("g4", 2, 1, 32, 8, 128, 128),
+            AttentionShape("g7", 3, 1, 28, 4, 64, 192),
+            AttentionShape("g1", 1, 1, 4, 4, 64, 64),
+        ],
+    )
+    def test_sync_rows_equals_sync(self, shape):
+        """q given as the kernel's rows (what kernels.qkv_rope writes: zeros past the group) gives the
+        output of `decode_attention_sync` on q itself, on a stacked cache at a traced layer."""
+        layers = [_inputs(shape, seed=40 + i) for i in range(2)]
+        q, lengths = layers[0][0], layers[0][3]
+        k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
+        v_stack = jnp.stack([v for _, _, v, _ in layers])
+        blocks = da.BlockSizes(32, num_splits=2)
+        rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
+        group = shape.num_heads // shape.num_kv_heads
+        got = da.decode_attention_sync_rows(
+            rows,
+            k_stack,
+            v_stack,
+            lengths - 1,
+            group=group,
+            layer=jnp.int32(1),
+            block_sizes=blocks,
+            length_offset=1,
+            interpret=self.INTERPRET,
+            poison=True,
+        )
+        want = da.decode_attention_sync(
+            q, k_stack, v_stack, lengths, layer=jnp.int32(1), block_sizes=blocks, interpret=self.INTERPRET
+        )
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        _close(got, da.decode_attention_reference(q, layers[1][1], layers[1][2], lengths)[0])
 
-  @pytest.mark.parametrize("shape", [AttentionShape("g4", 2, 1, 32, 8, 128, 128),
-                                     AttentionShape("g7", 3, 1, 28, 4, 64, 192),
-                                     AttentionShape("g1", 1, 1, 4, 4, 64, 64)])
-  def test_sync_rows_equals_sync(self, shape):
-    """q given as the kernel's rows (what kernels.qkv_rope writes: zeros past the group) gives the
-    output of `decode_attention_sync` on q itself, on a stacked cache at a traced layer."""
-    layers = [_inputs(shape, seed=40 + i) for i in range(2)]
-    q, lengths = layers[0][0], layers[0][3]
-    k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
-    v_stack = jnp.stack([v for _, _, v, _ in layers])
-    blocks = da.BlockSizes(32, num_splits=2)
-    rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
-    group = shape.num_heads // shape.num_kv_heads
-    got = da.decode_attention_sync_rows(rows, k_stack, v_stack, lengths - 1, group=group, layer=jnp.int32(1),
-                                        block_sizes=blocks, length_offset=1, interpret=self.INTERPRET, poison=True)
-    want = da.decode_attention_sync(q, k_stack, v_stack, lengths, layer=jnp.int32(1), block_sizes=blocks,
-                                    interpret=self.INTERPRET)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    _close(got, da.decode_attention_reference(q, layers[1][1], layers[1][2], lengths)[0])
+    @pytest.mark.parametrize(
+        "shape",
+        [
+            AttentionShape("g4", 2, 1, 32, 8, 128, 256),
+            AttentionShape("g1", 1, 1, 4, 4, 64, 128),
+            AttentionShape("g8", 3, 1, 16, 2, 128, 192),
+        ],
+    )
+    def test_combine_kernel_equals_the_jnp_combine(self, shape):
+        """combine="kernel" (one Pallas kernel for the split combine) against combine="xla" and the
+        reference, on ragged lengths (some splits past a sequence's end hold no rows: m = -1e30, l = 0),
+        with poisoned outputs, also over a stacked cache at a traced layer."""
+        q, k, v, lengths = _inputs(shape, seed=40)
+        lengths = lengths.at[0].set(3)  # most of sequence 0's splits are empty
+        kw = dict(interpret=self.INTERPRET, poison=True)
+        blocks = da.BlockSizes(block_k=32, num_splits=shape.cache_len // 64)
+        fused = da.decode_attention_sync(
+            q,
+            k,
+            v,
+            lengths,
+            block_sizes=da.BlockSizes(block_k=32, num_splits=shape.cache_len // 64, combine="kernel"),
+            **kw,
+        )
+        plain = da.decode_attention_sync(q, k, v, lengths, block_sizes=blocks, **kw)
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        _close(fused, ref)
+        # the same f32 sums in split order (XLA may reduce in another order): at most one bf16 rounding apart
+        np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(plain, np.float32), rtol=2**-7, atol=1e-6)
+        stacked = da.decode_attention_sync(
+            q,
+            jnp.stack([k, k]),
+            jnp.stack([v, v]),
+            lengths,
+            layer=jnp.int32(1),
+            block_sizes=da.BlockSizes(block_k=32, combine="kernel"),
+            **kw,
+        )
+        _close(stacked, ref)
 
-  @pytest.mark.parametrize("shape", [AttentionShape("g4", 2, 1, 32, 8, 128, 256),
-                                     AttentionShape("g1", 1, 1, 4, 4, 64, 128),
-                                     AttentionShape("g8", 3, 1, 16, 2, 128, 192)])
-  def test_combine_kernel_equals_the_jnp_combine(self, shape):
-    """combine="kernel" (one Pallas kernel for the split combine) against combine="xla" and the
-    reference, on ragged lengths (some splits past a sequence's end hold no rows: m = -1e30, l = 0),
-    with poisoned outputs, also over a stacked cache at a traced layer."""
-    q, k, v, lengths = _inputs(shape, seed=40)
-    lengths = lengths.at[0].set(3)  # most of sequence 0's splits are empty
-    kw = dict(interpret=self.INTERPRET, poison=True)
-    blocks = da.BlockSizes(block_k=32, num_splits=shape.cache_len // 64)
-    fused = da.decode_attention_sync(q, k, v, lengths, block_sizes=da.BlockSizes(
-        block_k=32, num_splits=shape.cache_len // 64, combine="kernel"), **kw)
-    plain = da.decode_attention_sync(q, k, v, lengths, block_sizes=blocks, **kw)
-    ref, _ = da.decode_attention_reference(q, k, v, lengths)
-    _close(fused, ref)
-    # the same f32 sums in split order (XLA may reduce in another order): at most one bf16 rounding apart
-    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(plain, np.float32), rtol=2**-7, atol=1e-6)
-    stacked = da.decode_attention_sync(q, jnp.stack([k, k]), jnp.stack([v, v]), lengths, layer=jnp.int32(1),
-                                       block_sizes=da.BlockSizes(block_k=32, combine="kernel"), **kw)
-    _close(stacked, ref)
-
-  def test_combine_kernel_declines_what_it_does_not_tile(self):
-    """T = 3 and a group of 3 are not the kernel's shapes: combine="kernel" then combines in jnp,
-    with the same values as combine="xla"."""
-    for shape in (AttentionShape("t3", 2, 3, 8, 2, 64, 128), AttentionShape("g3", 2, 1, 6, 2, 64, 128)):
-      q, k, v, lengths = _inputs(shape, seed=41)
-      outs = [da.decode_attention_sync(q, k, v, lengths, block_sizes=da.BlockSizes(block_k=32, num_splits=2,
-                                                                                   combine=c),
-                                       interpret=self.INTERPRET, poison=True) for c in ("kernel", "xla")]
-      np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+    def test_combine_kernel_declines_what_it_does_not_tile(self):
+        """T = 3 and a group of 3 are not the kernel's shapes: combine="kernel" then combines in jnp,
+        with the same values as combine="xla"."""
+        for shape in (AttentionShape("t3", 2, 3, 8, 2, 64, 128), AttentionShape("g3", 2, 1, 6, 2, 64, 128)):
+            q, k, v, lengths = _inputs(shape, seed=41)
+            outs = [
+                da.decode_attention_sync(
+                    q,
+                    k,
+                    v,
+                    lengths,
+                    block_sizes=da.BlockSizes(block_k=32, num_splits=2, combine=c),
+                    interpret=self.INTERPRET,
+                    poison=True,
+                )
+                for c in ("kernel", "xla")
+            ]
+            np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
 
 
 class TestDecodeAttentionInterpret(TestDecodeAttention):
-  INTERPRET = True
+    INTERPRET = True
 
 
 def test_combine_splits_against_the_jnp_combine():
-  """The kernel on its own, in f32, on random partials with one empty split per row group: equal to
-  `_combine_partials` + `_from_rows` to f32 rounding of a 5-term sum."""
-  from kernels.decode_attention_kernels import _combine_partials, _from_rows, combine_splits
-  keys = jax.random.split(jax.random.key(42), 3)
-  b, kh, splits, rows, g, h = 2, 3, 5, 16, 4, 64
-  acc = jax.random.normal(keys[0], (b, kh, splits, rows, h), jnp.float32)
-  l = 1.0 + jax.random.uniform(keys[1], (b, kh, splits, rows), jnp.float32)
-  m = 3.0 * jax.random.normal(keys[2], (b, kh, splits, rows), jnp.float32)
-  acc, l, m = acc.at[:, :, 2].set(0.0), l.at[:, :, 2].set(0.0), m.at[:, :, 2].set(-1e30)  # an empty split
-  got = combine_splits(acc, l, m, group=g, out_dtype=jnp.float32, cfg=da.BlockSizes(), interpret=True, poison=True)
-  o, _ = _combine_partials(acc, l, m)
-  want = _from_rows(o, 1, g)
-  assert got.shape == want.shape == (b, 1, kh * g, h)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    """The kernel on its own, in f32, on random partials with one empty split per row group: equal to
+    `_combine_partials` + `_from_rows` to f32 rounding of a 5-term sum."""
+    from kernels.decode_attention_kernels import _combine_partials, _from_rows, combine_splits
+
+    keys = jax.random.split(jax.random.key(42), 3)
+    b, kh, splits, rows, g, h = 2, 3, 5, 16, 4, 64
+    acc = jax.random.normal(keys[0], (b, kh, splits, rows, h), jnp.float32)
+    l = 1.0 + jax.random.uniform(keys[1], (b, kh, splits, rows), jnp.float32)
+    m = 3.0 * jax.random.normal(keys[2], (b, kh, splits, rows), jnp.float32)
+    acc, l, m = acc.at[:, :, 2].set(0.0), l.at[:, :, 2].set(0.0), m.at[:, :, 2].set(-1e30)  # an empty split
+    got = combine_splits(acc, l, m, group=g, out_dtype=jnp.float32, cfg=da.BlockSizes(), interpret=True, poison=True)
+    o, _ = _combine_partials(acc, l, m)
+    want = _from_rows(o, 1, g)
+    assert got.shape == want.shape == (b, 1, kh * g, h)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 def test_splits_aim_at_576_programs_within_one_wave_and_32_splits():
-  from kernels.decode_attention_kernels import _layout
-  splits = lambda b, k, s, **kw: _layout(b, k, s, da.BlockSizes(**kw))[0]  # noqa: E731
-  # 1k context (1152 rows = 18 blocks of 64), 8 kv heads: batch 1 takes every block; batch 8 wants
-  # 576 / 64 = 9; batch 32 wants 3, but 3 x 256 = 768 programs pass one wave (660), so 2
-  assert [splits(b, 8, 1152) for b in (1, 8, 16, 32)] == [18, 9, 3, 2]
-  assert splits(32, 8, 1152, max_programs=None) == 3
-  # 4k (66 blocks = 2 x 3 x 11) and 8k (130 = 2 x 5 x 13): the largest divisor within 32 splits
-  assert [splits(1, 8, 4224), splits(1, 8, 8320), splits(8, 8, 4224)] == [22, 26, 6]
-  assert splits(1, 8, 4224, max_splits=None) == 66
-  old = dict(target_programs=264, max_programs=None, max_splits=None)  # the rule before 2026-12-01
-  assert [splits(1, 8, 4224, **old), splits(8, 8, 1152, **old)] == [33, 3]
-  assert splits(1, 8, 1152, num_splits=4) == 4
+    from kernels.decode_attention_kernels import _layout
+
+    splits = lambda b, k, s, **kw: _layout(b, k, s, da.BlockSizes(**kw))[0]  # noqa: E731
+    # 1k context (1152 rows = 18 blocks of 64), 8 kv heads: batch 1 takes every block; batch 8 wants
+    # 576 / 64 = 9; batch 32 wants 3, but 3 x 256 = 768 programs pass one wave (660), so 2
+    assert [splits(b, 8, 1152) for b in (1, 8, 16, 32)] == [18, 9, 3, 2]
+    assert splits(32, 8, 1152, max_programs=None) == 3
+    # 4k (66 blocks = 2 x 3 x 11) and 8k (130 = 2 x 5 x 13): the largest divisor within 32 splits
+    assert [splits(1, 8, 4224), splits(1, 8, 8320), splits(8, 8, 4224)] == [22, 26, 6]
+    assert splits(1, 8, 4224, max_splits=None) == 66
+    old = dict(target_programs=264, max_programs=None, max_splits=None)  # the rule before 2026-12-01
+    assert [splits(1, 8, 4224, **old), splits(8, 8, 1152, **old)] == [33, 3]
+    assert splits(1, 8, 1152, num_splits=4) == 4
 
 
 def test_block_sizes_names_a_bad_combine():
-  with pytest.raises(ValueError, match="combine must be"):
-    da.BlockSizes(combine="fused")
+    with pytest.raises(ValueError, match="combine must be"):
+        da.BlockSizes(combine="fused")
 
 
 def test_calibrate_phi_centers_the_window():
-  rng = np.random.default_rng(0)
-  maxima = rng.normal(12.0, 2.0, size=10_000)
-  phi, covered = da.calibrate_phi(maxima)
-  assert abs(phi - 12.0) < 0.5
-  assert covered == 1.0
-  phi, covered = da.calibrate_phi(np.r_[maxima, 400.0], coverage=0.999,
-                                  window=da.SoftmaxWindow(-5.0, 5.0))
-  assert 0.9 < covered < 1.0  # the 400 outlier and the tails beyond ±5 fall outside
+    rng = np.random.default_rng(0)
+    maxima = rng.normal(12.0, 2.0, size=10_000)
+    phi, covered = da.calibrate_phi(maxima)
+    assert abs(phi - 12.0) < 0.5
+    assert covered == 1.0
+    phi, covered = da.calibrate_phi(np.r_[maxima, 400.0], coverage=0.999, window=da.SoftmaxWindow(-5.0, 5.0))
+    assert 0.9 < covered < 1.0  # the 400 outlier and the tails beyond ±5 fall outside
 
 
 def test_calibrate_phi_rejects_empty():
-  with pytest.raises(ValueError):
-    da.calibrate_phi([np.nan])
+    with pytest.raises(ValueError):
+        da.calibrate_phi([np.nan])
 
 
 def test_bad_shapes_raise():
-  q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b1_s128"])
-  with pytest.raises(ValueError):
-    da.decode_attention_async(q, k, v[:, :64], lengths, 0.0, interpret=True)
-  with pytest.raises(ValueError):
-    da.decode_attention_sync(q, k, v, lengths[None], interpret=True)
-  with pytest.raises(ValueError, match="layer index"):  # a stack needs its layer, a layer a stack
-    da.decode_attention_sync(q, k[None], v[None], lengths, interpret=True)
-  with pytest.raises(ValueError, match="layer index"):
-    da.decode_attention_sync(q, k, v, lengths, layer=0, interpret=True)
-  short = _inputs(TEST_ATTENTION["tiny_mha_b2_s65"])  # S = 65: a stack is never padded (copied)
-  with pytest.raises(ValueError, match="multiple of block_k"):
-    da.decode_attention_sync(short[0], short[1][None], short[2][None], short[3], layer=0, interpret=True)
-  rows = da._to_rows(q, k.shape[2])  # [B, K, R, H]
-  with pytest.raises(ValueError, match="stacked caches"):  # the rows form reads stacks only
-    da.decode_attention_sync_rows(rows, k, v, lengths, group=1, layer=0, interpret=True)
-  with pytest.raises(ValueError, match="group"):
-    da.decode_attention_sync_rows(rows, k[None], v[None], lengths, group=rows.shape[2] + 1, layer=0, interpret=True)
-
+    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_mha_b1_s128"])
+    with pytest.raises(ValueError):
+        da.decode_attention_async(q, k, v[:, :64], lengths, 0.0, interpret=True)
+    with pytest.raises(ValueError):
+        da.decode_attention_sync(q, k, v, lengths[None], interpret=True)
+    with pytest.raises(ValueError, match="layer index"):  # a stack needs its layer, a layer a stack
+        da.decode_attention_sync(q, k[None], v[None], lengths, interpret=True)
+    with pytest.raises(ValueError, match="layer index"):
+        da.decode_attention_sync(q, k, v, lengths, layer=0, interpret=True)
+    short = _inputs(TEST_ATTENTION["tiny_mha_b2_s65"])  # S = 65: a stack is never padded (copied)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        da.decode_attention_sync(short[0], short[1][None], short[2][None], short[3], layer=0, interpret=True)
+    rows = da._to_rows(q, k.shape[2])  # [B, K, R, H]
+    with pytest.raises(ValueError, match="stacked caches"):  # the rows form reads stacks only
+        da.decode_attention_sync_rows(rows, k, v, lengths, group=1, layer=0, interpret=True)
+    with pytest.raises(ValueError, match="group"):
+        da.decode_attention_sync_rows(rows, k[None], v[None], lengths, group=rows.shape[2] + 1, layer=0, interpret=True)
 
 
 def test_poison_shows_unwritten_outputs():
-  """The poison mechanism itself: a kernel that writes nothing leaves every partial NaN."""
-  shape = TEST_ATTENTION["tiny_mha_b1_s128"]
-  q, k, v, lengths = _inputs(shape)
-  q_rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
-  acc, l = da._attention_call(lambda *refs, **kw: None, (lengths, lengths), q_rows, k, v, None,
-                              num_out=2, sm_scale=1.0, group=1, tokens=1, length_offset=0, cfg=BLOCKS,
-                              interpret=True, poison=True)
-  assert np.isnan(acc).all() and np.isnan(l).all()
+    """The poison mechanism itself: a kernel that writes nothing leaves every partial NaN."""
+    shape = TEST_ATTENTION["tiny_mha_b1_s128"]
+    q, k, v, lengths = _inputs(shape)
+    q_rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
+    acc, l = da._attention_call(
+        lambda *refs, **kw: None,
+        (lengths, lengths),
+        q_rows,
+        k,
+        v,
+        None,
+        num_out=2,
+        sm_scale=1.0,
+        group=1,
+        tokens=1,
+        length_offset=0,
+        cfg=BLOCKS,
+        interpret=True,
+        poison=True,
+    )
+    assert np.isnan(acc).all() and np.isnan(l).all()
 
 
 def test_length_offset_is_added_inside_the_kernel():
-  """`length_offset=1` with lengths - 1 (what the looped decode passes: last positions) gives the
-  reference at lengths, for both kernels; without the offset the result changes."""
-  q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"], seed=3)
-  ref, _ = da.decode_attention_reference(q, k, v, lengths)
-  kw = dict(block_sizes=BLOCKS, interpret=True, poison=True)
-  _close(da.decode_attention_sync(q, k, v, lengths - 1, length_offset=1, **kw), ref)
-  _close(da.decode_attention_async(q, k, v, lengths - 1, 0.0, length_offset=1, **kw)[0], ref)
-  shorter = da.decode_attention_sync(q, k, v, lengths - 1, **kw)  # one position fewer per sequence
-  assert np.abs(np.asarray(shorter, np.float32) - np.asarray(ref, np.float32)).max() > 10 * ATOL[jnp.bfloat16]
+    """`length_offset=1` with lengths - 1 (what the looped decode passes: last positions) gives the
+    reference at lengths, for both kernels; without the offset the result changes."""
+    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"], seed=3)
+    ref, _ = da.decode_attention_reference(q, k, v, lengths)
+    kw = dict(block_sizes=BLOCKS, interpret=True, poison=True)
+    _close(da.decode_attention_sync(q, k, v, lengths - 1, length_offset=1, **kw), ref)
+    _close(da.decode_attention_async(q, k, v, lengths - 1, 0.0, length_offset=1, **kw)[0], ref)
+    shorter = da.decode_attention_sync(q, k, v, lengths - 1, **kw)  # one position fewer per sequence
+    assert np.abs(np.asarray(shorter, np.float32) - np.asarray(ref, np.float32)).max() > 10 * ATOL[jnp.bfloat16]

@@ -50,10 +50,14 @@ def decoder(params, cache, x, pos):
 
 def _params(key, n=L, ffn=(F,) * L):
     keys = iter(jax.random.split(key, 7 * n))
+
     def w(*shape):
         return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
-    layers = [dict(wq=w(D, D), wk=w(D, D), wv=w(D, D), wo=w(D, D), w_up=w(D, f), w_down=w(f, D))
-              for _, f in zip(range(n), ffn)]
+
+    layers = [
+        dict(wq=w(D, D), wk=w(D, D), wv=w(D, D), wo=w(D, D), w_up=w(D, f), w_down=w(f, D))
+        for _, f in zip(range(n), ffn)
+    ]
     return dict(layers=layers, final=jnp.linspace(0.5, 1.5, D, dtype=jnp.float32))
 
 
@@ -83,8 +87,13 @@ def _calls(jaxpr, name):
 
 def _assert_close(actual, expected):
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=RTOL, atol=ATOL,
-                                   err_msg=f"max |diff| {np.abs(np.asarray(a) - np.asarray(e)).max()}")
+        np.testing.assert_allclose(
+            np.asarray(a),
+            np.asarray(e),
+            rtol=RTOL,
+            atol=ATOL,
+            err_msg=f"max |diff| {np.abs(np.asarray(a) - np.asarray(e)).max()}",
+        )
 
 
 def _run_packed(plan, *args):
@@ -131,8 +140,10 @@ def test_name_scopes_are_kept():
     assert str(scan.source_info.name_stack) == "decoder"
     assert str(call.source_info.name_stack) == "layers"  # layers_0, layers_1, ... collapse
     assert call.params["jaxpr"] is plan.original_jaxpr.eqns[0].params["jaxpr"]  # callee untouched
+
     def scopes(jaxpr):
         return [str(e.source_info.name_stack) for e in jaxpr.eqns]
+
     n_norm = scopes(plan.original_jaxpr).count("final_norm")
     assert set(scopes(plan.jaxpr)) == {"decoder", "final_norm"}  # the unstacked cache: "decoder"
     assert scopes(plan.jaxpr).count("final_norm") == n_norm
@@ -167,6 +178,7 @@ def test_op_on_carried_path_splits_the_run():
             if i == 1:
                 x = 2.0 * x  # between calls 2 and 3, on the carried path
         return x
+
     args = _inputs()
     plan = kernel_loop(fn, *args)
     assert [r.length for r in plan.report.runs] == [2, 2]
@@ -185,6 +197,7 @@ def test_independent_ops_between_calls_are_hoisted_or_sunk():
             total = total + jnp.sum(k)  # reads the run, read by no later call: sunk
             pos = pos * 1  # reads nothing the run computes: hoisted
         return x, total
+
     args = _inputs()
     plan = kernel_loop(fn, *args)
     (run,) = plan.report.runs
@@ -195,6 +208,7 @@ def test_independent_ops_between_calls_are_hoisted_or_sunk():
 def test_calls_that_do_not_chain_are_not_looped():
     def fn(params, cache, x, pos):  # every layer reads the same x: nothing is carried
         return sum(block(p, x, k, v, pos)[0] for p, (k, v) in zip(params["layers"], cache))
+
     plan = kernel_loop(fn, *_inputs())
     assert not plan.report.runs and not _prims(plan.jaxpr, "scan")
     assert len(plan.report.skips) == L - 1
@@ -226,6 +240,7 @@ def test_side_effects_are_not_looped():
         for w in ws:
             x = noisy(w, x)
         return x
+
     ws = [jnp.eye(D) * (i + 1) for i in range(3)]
     plan = kernel_loop(fn, ws, jnp.ones(D))
     assert not plan.report.runs and len(_calls(plan.jaxpr, "noisy")) == 3
@@ -237,6 +252,7 @@ def test_side_effects_are_not_looped():
             if i == 1:
                 jax.debug.callback(lambda v: seen.append(v), x)
         return x
+
     plan = kernel_loop(fn_print_between, ws, jnp.ones(D))
     assert [r.length for r in plan.report.runs] == [2]
     assert "side effects" in plan.report.skips[0].reason
@@ -301,6 +317,7 @@ def test_nnx_layer_step_pattern_with_jitted_whole_function():
         for st in states:
             x = layer_step(graphdef, st, x)
         return x
+
     x = jax.random.normal(jax.random.key(3), (5, D))
     plan = kernel_loop(fn, states, x)
     (run,) = plan.report.runs
@@ -313,13 +330,16 @@ def test_structurally_equal_callees_from_separate_jits():
         @layer
         def mix(w, b, x):
             return jax.nn.relu(x @ w) + b
+
         return mix
+
     mixes = [make() for _ in range(3)]
 
     def fn(ws, x):
         for mix, w in zip(mixes, ws):
             x = mix(w, 0.5, x)
         return x
+
     ws = [jax.random.normal(jax.random.key(i), (D, D)) for i in range(3)]
     x = jnp.ones(D)
     jaxpr = jax.make_jaxpr(fn)(ws, x)
@@ -337,26 +357,40 @@ def test_runs_inside_jit_cond_scan_and_while_bodies():
         @jax.jit
         def inner(params, cache, x):  # not the whole function: the run is nested in a jit
             return decoder(params, cache, x, pos)[0]
+
         y = inner(params, cache, x) + 1.0
         z = lax.cond(pos >= 0, lambda x: decoder(params, cache, x, pos)[0], lambda x: x, y)
+
         def step(x, _):
             return decoder(params, cache, x, pos)[0], None
+
         z = lax.scan(step, z, None, length=2)[0]
+
         def body(carry):
             i, x = carry
             return i + 1, decoder(params, cache, x, pos)[0]
+
         return lax.while_loop(lambda carry: carry[0] < pos + 2, body, (pos, z))[1]
+
     plan = kernel_loop(fn, *args)
     assert len(plan.report.runs) == 4
     assert [r.where for r in plan.report.runs] == [
-        "fn/jit(inner)", "fn/cond.branches[1]", "fn/scan", "fn/while.body_jaxpr"]
+        "fn/jit(inner)",
+        "fn/cond.branches[1]",
+        "fn/scan",
+        "fn/while.body_jaxpr",
+    ]
     stacked = [i for r in plan.report.runs for i in r.inputs if i.kind == "stacked"]
     assert all("run is nested" in i.source for i in stacked)
-    looped_scans = [e for _, e in _walk(plan.jaxpr)
-                    if e.primitive.name == "scan" and e.params["length"] == L]
+    looped_scans = [e for _, e in _walk(plan.jaxpr) if e.primitive.name == "scan" and e.params["length"] == L]
     assert len(looped_scans) == 4
-    assert not [e for _, e in _walk(plan.jaxpr) if e.primitive.name == "jit" and e.params["name"] == "block"
-                and not any(e is c for s in looped_scans for c in s.params["jaxpr"].eqns)]
+    assert not [
+        e
+        for _, e in _walk(plan.jaxpr)
+        if e.primitive.name == "jit"
+        and e.params["name"] == "block"
+        and not any(e is c for s in looped_scans for c in s.params["jaxpr"].eqns)
+    ]
     (inner,) = _calls(plan.jaxpr, "inner")  # re-traced: its other equations keep their scopes
     inner_scopes = [str(e.source_info.name_stack) for e in inner.params["jaxpr"].eqns]
     assert inner_scopes[-1] == "final_norm" and set(inner_scopes) == {"decoder", "final_norm"}

@@ -18,7 +18,9 @@ def test_estimate_by_hand():
 
 
 def test_405b_is_refused_on_one_h200_with_numbers():
-    with pytest.raises(ValueError, match=r"llama-3\.1-405b does not fit: needs weights 811\.7 GB.*device has 149\.3 GB"):
+    with pytest.raises(
+        ValueError, match=r"llama-3\.1-405b does not fit: needs weights 811\.7 GB.*device has 149\.3 GB"
+    ):
         preflight(get_preset("llama-3.1-405b"), itemsize=2, available=H200_BYTES)
 
 

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from hf_reference import hf_logits, hf_model, state_dict_numpy
+
 from jaxdecode.config import PRESETS, TINY_PRESETS
 from jaxdecode.decode import Engine
 from jaxdecode.model import init_random, load_state_dict

@@ -24,8 +24,12 @@ NOTEBOOK_BUDGET_S = 600  # a notebook that takes longer than this has stopped be
 
 
 def test_every_notebook_is_found():
-    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_kernel_looping.ipynb",
-                                           "03_modeled_rdu.ipynb", "04_flashdecoding_kernels.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_quickstart.ipynb",
+        "02_kernel_looping.ipynb",
+        "03_modeled_rdu.ipynb",
+        "04_flashdecoding_kernels.ipynb",
+    ]
 
 
 def _text(outputs) -> str:
@@ -54,7 +58,7 @@ def test_notebook_is_stored_clean(path):
             assert cell.outputs and "skipped" not in _text(cell.outputs), cell.source[:80]
         assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
     installs = [c for c in nb.cells if c.cell_type == "code" and "pip" in c.source]
-    assert len(installs) == 1 and "find_spec(\"jaxdecode\") is None" in installs[0].source
+    assert len(installs) == 1 and 'find_spec("jaxdecode") is None' in installs[0].source
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -62,8 +66,9 @@ def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     # jupyter_client runs a kernelspec's "python" as sys.executable: this venv's interpreter.
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(COLAB)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(COLAB)}}
+    )
     start = time.perf_counter()
     try:
         client.execute(env=env)

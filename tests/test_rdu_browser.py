@@ -13,11 +13,20 @@ from rdu.analysis import analyze
 from rdu.viz import render_html
 
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                                reason=f"{CHROMIUM} missing: run .ci/install-browser.sh (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} missing: run .ci/install-browser.sh (apt-get install chromium)"
+)
 
 VISIBLE_OPS = "Array.from(document.querySelectorAll('g.op')).filter(e => e.checkVisibility()).length"
 

@@ -11,8 +11,17 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdecode.config import get_preset
-from rdu.fit import (H200_ROWS, GPUFeatures, fit_gpu, gpu_constants, gpu_features, gpu_time, rdu_constants,
-                     rdu_features, rdu_time)
+from rdu.fit import (
+    H200_ROWS,
+    GPUFeatures,
+    fit_gpu,
+    gpu_constants,
+    gpu_features,
+    gpu_time,
+    rdu_constants,
+    rdu_features,
+    rdu_time,
+)
 from rdu.hardware import H200, gpu, load_fitted, sn40l
 from rdu.mapping import ModelDoesNotFit, fuse, map_decode
 from rdu.simulate import gpu_estimate, simulate_gpu, simulate_rdu
@@ -43,8 +52,9 @@ def grid(request):
 
 
 _time = jax.jit(rdu_time, static_argnames="looped")
-_dtime_dbw = jax.jit(jax.grad(lambda bw, c, f, looped: rdu_time(c, replace(f, hbm_bw=bw), looped)),
-                     static_argnames="looped")
+_dtime_dbw = jax.jit(
+    jax.grad(lambda bw, c, f, looped: rdu_time(c, replace(f, hbm_bw=bw), looped)), static_argnames="looped"
+)
 
 
 def test_jax_rdu_model_equals_reference(grid):
@@ -61,7 +71,10 @@ def test_invariants_roofline_looping_zero_overhead(grid):
     for name, b, m in ms:
         on, off = simulate_rdu(m, looped=True), simulate_rdu(m, looped=False)
         floor = on.bytes_per_token / (m.sockets * m.hw.hbm_bw)
-        bare_on, bare_off = simulate_rdu(m, looped=True, overheads=False), simulate_rdu(m, looped=False, overheads=False)
+        bare_on, bare_off = (
+            simulate_rdu(m, looped=True, overheads=False),
+            simulate_rdu(m, looped=False, overheads=False),
+        )
         assert floor <= bare_on.per_token_s <= on.per_token_s, (name, b, m.sockets)  # never beats the roofline
         assert on.per_token_s <= off.per_token_s and bare_on.per_token_s <= bare_off.per_token_s  # looping never slower
         # Zero call overhead and nothing to overlap (no all-reduce): looping gains exactly nothing.
@@ -109,9 +122,10 @@ def test_jax_gpu_model_equals_reference_and_grad(gpu_b1, constants):
 
 def test_fitted_json_is_complete_and_consistent(gpu_b1):
     rec = load_fitted()
-    for grp, keys in (("sn40l", ("launch_s", "sync_s", "stage_fill_drain_s", "hbm_efficiency", "p2p_latency_s")),
-                      ("gpu", ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency",
-                               "attention_efficiency"))):
+    for grp, keys in (
+        ("sn40l", ("launch_s", "sync_s", "stage_fill_drain_s", "hbm_efficiency", "p2p_latency_s")),
+        ("gpu", ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency", "attention_efficiency")),
+    ):
         fitted = rec[grp]["fitted"]
         assert set(fitted) == set(keys) and rec[grp]["fit_rows"] and rec[grp]["held_out_rows"]
         assert all(v > 0 for v in fitted.values()) and all(fitted[k] < 1 for k in keys if "efficiency" in k)
@@ -154,8 +168,9 @@ def test_optax_fit_lowers_the_loss(gpu_b1):
     feats = [gpu_features(kernels, H200, mode=r.mode, kv_heads=8, activation_bytes=cfg.dim * 2) for r in rows]
     assert all(isinstance(f, GPUFeatures) for f in feats)
     c0 = gpu_constants(H200)
-    before = sum((math.log(1e3 * float(gpu_time(c0, f))) - math.log(r.measured_ms)) ** 2
-                 for f, r in zip(feats, rows)) / len(rows)
+    before = sum(
+        (math.log(1e3 * float(gpu_time(c0, f))) - math.log(r.measured_ms)) ** 2 for f, r in zip(feats, rows)
+    ) / len(rows)
     fitted, loss = fit_gpu(feats, rows=rows, steps=60, lr=0.05)
     assert loss < before and fitted["eager_op_s"] > c0["eager_op_s"]  # HF eager is slower than 5 us/op gives
 
@@ -182,8 +197,7 @@ def test_bad_input(capsys):
     with pytest.raises(ValueError, match="sockets must be in 1..16"):
         map_decode(g, sn40l(), 0, batch=1, kv_heads=cfg.n_kv_heads, dim=cfg.dim)
     with pytest.raises(ModelDoesNotFit):
-        map_decode(trace_decode_step(get_preset("llama-3.1-405b"), 1, 4096), sn40l(), 4, batch=1, kv_heads=8,
-                   dim=16384)
+        map_decode(trace_decode_step(get_preset("llama-3.1-405b"), 1, 4096), sn40l(), 4, batch=1, kv_heads=8, dim=16384)
     with pytest.raises(ValueError, match="unknown GPU"):
         gpu("a100")
     with pytest.raises(ValueError, match="mode"):
@@ -204,15 +218,18 @@ def test_jax_inplace_model_equals_reference_and_grad(constants):
         kw = dict(n_gpus=n, kv_heads=cfg.n_kv_heads, activation_bytes=b * cfg.dim * 2, logits_bytes=logits)
         ref = simulate_gpu(ks, spec, batch=b, mode="looped_inplace", **kw)
         assert ref.per_token_s == pytest.approx(
-            gpu_estimate(g, spec, batch=b, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="looped_inplace",
-                         n_gpus=n).per_token_s)
+            gpu_estimate(
+                g, spec, batch=b, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="looped_inplace", n_gpus=n
+            ).per_token_s
+        )
         assert ref.calls_per_token == cfg.n_layers * 12 + 4  # 4 GEMMs + attention + 7 XLA kernels; embed + head
         f = inplace_features(ks, spec, batch=b, **kw)
         c = inplace_constants(spec)
         assert float(inplace_time(gpu_constants(spec), c, f)) == pytest.approx(ref.per_token_s, rel=REL)
         assert ref.per_token_s >= f.xla.model_bytes / n / spec.read_bw  # the layers only add time
         d = jax.grad(lambda e: inplace_time(gpu_constants(spec), dict(c, split_k_efficiency=e), f))(
-            jnp.float32(c["split_k_efficiency"]))
+            jnp.float32(c["split_k_efficiency"])
+        )
         assert float(d) < 0
 
 
@@ -234,8 +251,14 @@ def test_inplace_mode_meets_the_issue_bar_on_held_out_rows():
         assert ms == pytest.approx(stored[r.what]["fitted_model"], rel=1e-4)
         spec = gpu("h200", "fitted")
         cfg = get_preset(r.model)
-        ref = gpu_estimate(trace_decode_step(cfg, r.batch, r.context, looped=False), spec, batch=r.batch,
-                           dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode="looped_inplace").ms_per_token
+        ref = gpu_estimate(
+            trace_decode_step(cfg, r.batch, r.context, looped=False),
+            spec,
+            batch=r.batch,
+            dim=cfg.dim,
+            kv_heads=cfg.n_kv_heads,
+            mode="looped_inplace",
+        ).ms_per_token
         assert ref == pytest.approx(ms, rel=1e-4)
         err[r.what] = (r.split, abs(100 * (ms - r.measured_ms) / r.measured_ms))
     test = [e for s, e in err.values() if s == "test"]

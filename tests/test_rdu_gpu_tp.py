@@ -64,21 +64,31 @@ def test_attention_cost_grows_with_cache_bytes_by_hand():
 def test_tensor_parallel_by_hand():
     """Two hand-made kernels on 2 GPUs: weights halved, KV split over kv heads, two all-reduces of
     [B, D] per layer, one all-gather of the logits."""
-    spec = replace(H200, kernel_overhead_s=0.0, read_bw=1e12, gemv_efficiency=0.5, attention_efficiency=0.25,
-                   nvlink_bw=1e11, allreduce_latency_s=1e-5)
+    spec = replace(
+        H200,
+        kernel_overhead_s=0.0,
+        read_bw=1e12,
+        gemv_efficiency=0.5,
+        attention_efficiency=0.25,
+        nvlink_bw=1e11,
+        allreduce_latency_s=1e-5,
+    )
     layer = Kernel("decoder[l]", "decoder", 4, 1, 0, 8e6, 4e6, 1e4, 2e4)
     head = Kernel("lm_head", "classifier", 1, 1, 0, 2e7, 0, 0, 1e3)
     b, d, logits = 1, 512, 4000
-    est = simulate_gpu([layer, head], spec, batch=b, n_gpus=2, kv_heads=8, activation_bytes=b * d * 2,
-                       logits_bytes=logits)
+    est = simulate_gpu(
+        [layer, head], spec, batch=b, n_gpus=2, kv_heads=8, activation_bytes=b * d * 2, logits_bytes=logits
+    )
     allreduce = 1e-5 + 2 * (1 / 2) * (b * d * 2) / 1e11
     layer_s = 4e6 / 0.5 / 1e12 + 2e6 / 0.25 / 1e12 + (5e3 + 2e4) / 1e12 + 2 * allreduce
     head_s = 1e7 / 0.5 / 1e12 + 1e3 / 1e12 + 1e-5 + (1 / 2) * logits / 1e11
     assert est.per_token_s == pytest.approx(4 * layer_s + head_s, rel=REL)
-    one = simulate_gpu([layer, head], spec, batch=b, n_gpus=1, kv_heads=8, activation_bytes=b * d * 2,
-                       logits_bytes=logits)
-    assert one.per_token_s == pytest.approx(4 * (8e6 / 0.5e12 + 4e6 / 0.25e12 + 3e4 / 1e12) + 2e7 / 0.5e12 + 1e3 / 1e12,
-                                            rel=REL)
+    one = simulate_gpu(
+        [layer, head], spec, batch=b, n_gpus=1, kv_heads=8, activation_bytes=b * d * 2, logits_bytes=logits
+    )
+    assert one.per_token_s == pytest.approx(
+        4 * (8e6 / 0.5e12 + 4e6 / 0.25e12 + 3e4 / 1e12) + 2e7 / 0.5e12 + 1e3 / 1e12, rel=REL
+    )
     # More GPUs than kv heads: the cache is replicated past 8 shards.
     e16 = simulate_gpu([layer], spec, batch=b, n_gpus=16, kv_heads=8, activation_bytes=b * d * 2)
     assert e16.kernels[0].memory_s == pytest.approx(5e5 / 0.5e12 + 5e5 / 0.25e12 + (1e4 / 8 + 2e4) / 1e12, rel=REL)
@@ -91,8 +101,15 @@ def test_predict_tp_tiny_and_8b():
     ks = fuse(g)
     logits = next(k for k in ks if k.role == "sampling").other_bytes
     assert logits == 2 * cfg.vocab_size * 4  # [B, V] f32
-    ref = simulate_gpu([k for k in ks if k.role != "sampling"], spec, batch=2, n_gpus=2, kv_heads=cfg.n_kv_heads,
-                       activation_bytes=2 * cfg.dim * 2, logits_bytes=logits).ms_per_token
+    ref = simulate_gpu(
+        [k for k in ks if k.role != "sampling"],
+        spec,
+        batch=2,
+        n_gpus=2,
+        kv_heads=cfg.n_kv_heads,
+        activation_bytes=2 * cfg.dim * 2,
+        logits_bytes=logits,
+    ).ms_per_token
     assert predict_tp("tiny-gqa", 2, 32, 2) == pytest.approx(ref, rel=REL)
     # A tiny model is latency-bound: 2 GPUs add 2 all-reduces per layer + 1 all-gather, and save ~nothing.
     delta = predict_tp("tiny-gqa", 2, 32, 2) - predict_tp("tiny-gqa", 2, 32, 1)
@@ -134,8 +151,15 @@ def test_cli_constants_and_gpus(capsys):
     assert runs[("published", 1)]["sn40l"][0]["looped"]["target"] != runs[("fitted", 1)]["sn40l"][0]["looped"]["target"]
 
 
-@pytest.mark.parametrize("argv, match", [(["--constants", "tuned"], "constants"), (["--gpus", "0"], "--gpus"),
-                                         (["--gpus", "9"], "--gpus"), (["--gpus", "two"], "--gpus")])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--constants", "tuned"], "constants"),
+        (["--gpus", "0"], "--gpus"),
+        (["--gpus", "9"], "--gpus"),
+        (["--gpus", "two"], "--gpus"),
+    ],
+)
 def test_cli_bad_values_exit_2_with_one_line(argv, match, capsys):
     code, out, err = _rdu(argv, capsys)
     assert code == 2 and err.count("\n") == 1 and match in err

@@ -182,9 +182,12 @@ def test_simulate_trivial_graph_by_hand():
 #   6.65 ms for the same configuration (BENCHMARKS.md suite), so the two sources conflict
 #   (rdu.anchors.CONFLICTS, reported by `jaxdecode rdu --validate`).
 # With the published (unfitted) constants the batch-1 tensor-parallel rows come out 19% and 26% slow.
-KNOWN_MISSES = {"SN40L-8 / DGX H100, Llama-3.1-8B bs1 4K (up to 2.0x)", "H200 plain JAX unrolled, batch 32, tok/s",
-                "2x H200 tensor parallel, llama-3.1-8b batch 1, ms/token",
-                "2x H200 tensor parallel, llama-3.1-70b batch 1, ms/token"}
+KNOWN_MISSES = {
+    "SN40L-8 / DGX H100, Llama-3.1-8B bs1 4K (up to 2.0x)",
+    "H200 plain JAX unrolled, batch 32, tok/s",
+    "2x H200 tensor parallel, llama-3.1-8b batch 1, ms/token",
+    "2x H200 tensor parallel, llama-3.1-70b batch 1, ms/token",
+}
 
 
 def test_fitted_model_predicts_the_two_gpu_measurements():

