@@ -15,6 +15,7 @@ that is the call boundary the kernel-looping pass (`jaxdecode.looping`) finds an
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import jax
@@ -26,6 +27,22 @@ from jaxdecode.config import ModelConfig
 from kernels import allreduce
 
 Array = jax.Array
+
+
+class Hook(enum.StrEnum):
+    """The model's named calls that the in-place looped decode may hand to kernels.
+
+    Each is a module-level `jax.jit` function below, so it appears in the jaxpr as a call whose name is
+    the member's value; the engine's hook table (`looped_model.KERNEL_CALLS`) and `rdu`'s GPU model key
+    on these members, and a test checks that each appears in the traced decode step.
+    """
+
+    QKV_ATTEND = "qkv_attend"  # projections, RoPE, cache write and attention for one new token
+    QKV = "qkv"  # the three projections
+    SDPA = "sdpa"  # attention over the cache
+    SWIGLU = "swiglu"  # the MLP's gate and up projections and their product
+    RMS_NORM = "rms_norm"  # a norm
+    RESIDUAL_NORM = "residual_norm"  # the attention's residual add and the MLP's input norm
 
 
 def tp_residual_add(x: Array, block_out: Array, cfg: ModelConfig) -> Array:
