@@ -184,7 +184,7 @@ def _engine(args, *, need_tokenizer: bool):
 
     no_tokenizer = f"model {args.model!r} has random weights and no tokenizer; pass a .gguf file or a HF directory"
     if args.tp != 1:
-        from jaxdecode.tp import load_engine
+        from jaxdecode.loading import load_engine
 
         if need_tokenizer and args.model in PRESETS and args.model != DEFAULT_MODEL:
             raise CliError(no_tokenizer)  # before making random weights over tp devices

@@ -7,6 +7,7 @@ argument. Derived sizes are properties, never stored twice.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -41,25 +42,15 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on the q, k and v projections
-    # Tensor parallelism (jaxdecode.tp): the mesh axis to psum over after o_proj and down_proj, set on
-    # a per-device shard's config only. None (always, outside tp.py): no collective.
-    tp_axis: str | None = None
-    # How that psum runs: "psum" (XLA's all-reduce, NCCL on GPUs) or "kernel" (`kernels.allreduce.all_reduce`:
-    # a peer-to-peer Mosaic GPU kernel where it pays, on 2 Hopper GPUs at small sizes; psum elsewhere).
-    # `jaxdecode.tp.TPForward` sets "kernel" by default.
-    tp_allreduce: str = "psum"
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig {self.name!r}: {field} must be positive, got {getattr(self, field)}")
-        if self.tp_allreduce not in ("psum", "kernel"):
-            raise ValueError(
-                f"ModelConfig {self.name!r}: tp_allreduce must be 'psum' or 'kernel', got {self.tp_allreduce!r}"
-            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"ModelConfig {self.name!r}: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+                f"ModelConfig {self.name!r}: n_heads ({self.n_heads}) must be a multiple of "
+                f"n_kv_heads ({self.n_kv_heads})"
             )
         if self.head_dim is None:
             if self.dim % self.n_heads:
@@ -105,6 +96,55 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+ALLREDUCE_IMPLS = ("psum", "kernel")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How one device's shard of a tensor-parallel model (`jaxdecode.tp`) sums its partial results.
+
+    axis: the mesh axis the attention's o_proj and the MLP's down_proj outputs are all-reduced over.
+    allreduce: "psum" (XLA's all-reduce, NCCL on GPUs) or "kernel" (`kernels.allreduce.all_reduce`: a
+    peer-to-peer Mosaic GPU kernel where it pays, on 2 Hopper GPUs at small sizes; psum elsewhere).
+    embed_kernel: the embedding's all-reduce also goes through that kernel (off: not measured faster).
+    """
+
+    axis: str = "tp"
+    allreduce: str = "kernel"
+    embed_kernel: bool = False
+
+    def __post_init__(self):
+        if self.allreduce not in ALLREDUCE_IMPLS:
+            raise ValueError(f"TensorParallel.allreduce must be one of {ALLREDUCE_IMPLS}, got {self.allreduce!r}")
+
+
+def valid_tp(cfg: ModelConfig) -> list[int]:
+    """The device counts this config splits over: divisors of gcd(N, K, F)."""
+    g = math.gcd(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one of tp devices runs (Megatron splits): N/tp, K/tp, F/tp heads and columns, and
+    ceil(V/tp) vocab rows. Raises ValueError naming the numbers when tp does not divide them."""
+    if tp < 1:
+        raise ValueError(f"tensor parallelism needs tp >= 1, got {tp}")
+    if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.ffn_dim % tp:
+        raise ValueError(
+            f"{cfg.name} cannot be split over {tp} devices: n_heads ({cfg.n_heads}), n_kv_heads "
+            f"({cfg.n_kv_heads}) and ffn_dim ({cfg.ffn_dim}) must all be divisible by {tp}; "
+            f"tp in {valid_tp(cfg)} works"
+        )
+    return cfg.replace(
+        name=f"{cfg.name}/tp{tp}",
+        n_heads=cfg.n_heads // tp,
+        n_kv_heads=cfg.n_kv_heads // tp,
+        ffn_dim=cfg.ffn_dim // tp,
+        head_dim=cfg.head_dim,
+        vocab_size=-(-cfg.vocab_size // tp),
+    )
 
 
 _LLAMA31_ROPE = RopeScaling(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -23,8 +23,9 @@ from flax import nnx
 
 from jaxdecode.cache import KVCache
 from jaxdecode.looped_model import LoopedForward, default_loop_mode
-from jaxdecode.model import Transformer
+from jaxdecode.model import Hook, Transformer
 from jaxdecode.sampling import SamplingParams, sample
+from jaxdecode.tp import TPForward
 
 Array = jax.Array
 
@@ -72,7 +73,11 @@ class Engine:
     `loop_mode` picks how the scan reads the stacks (`looped_model.LOOP_MODES`); None: in place
     through kernels on a GPU, sliced by the scan elsewhere.
     `tp` > 1 splits the model over that many devices (tensor parallelism, `jaxdecode.tp`); a built
-    `tp.TPForward` may be passed instead (then `model` may be None and its loop settings apply).
+    `tp.TPForward` may be passed instead (then `model` may be None and its loop and kernel settings apply).
+    In the in-place loop mode, `hooks` {`model.Hook`: function or None} replaces or turns off the kernel
+    hooks of the model's named calls (`looped_model.kernel_calls`; the defaults are
+    `looped_model.KERNEL_CALLS`), and `stacked_dot` replaces the dot hook (`looped_model.kernel_stacked_dot`):
+    a benchmark's variants are these arguments.
     """
 
     def __init__(
@@ -82,23 +87,28 @@ class Engine:
         loop_layers: bool = True,
         cache_dtype=None,
         loop_mode: str | None = None,
-        tp=1,
+        tp: int | TPForward = 1,
+        hooks: Mapping[Hook | str, Callable | None] | None = None,
+        stacked_dot: Callable | None = None,
     ):
         self._plan = self._tp = None
         if not (isinstance(tp, int) and tp == 1):
-            from jaxdecode.tp import TPForward
-
             self._tp = (
                 tp
                 if isinstance(tp, TPForward)
                 else TPForward.from_model(
-                    model, tp, loop_layers=loop_layers, loop_mode=loop_mode or default_loop_mode()
+                    model,
+                    tp,
+                    loop_layers=loop_layers,
+                    loop_mode=loop_mode or default_loop_mode(),
+                    hooks=hooks,
+                    stacked_dot=stacked_dot,
                 )
             )
             self.cfg, self.loop_layers, self.graphdef = self._tp.cfg, self._tp.loop_layers, self._tp.graphdef
             self.cache_dtype, self.params = cache_dtype or self._tp.dtype, self._tp.step_params
         else:
-            self._init_one_device(model, loop_layers, cache_dtype, loop_mode)
+            self._init_one_device(model, loop_layers, cache_dtype, loop_mode, hooks, stacked_dot)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)
         self._chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
         self._executables: dict = {}  # ahead-of-time compiled steps, so that timings exclude compilation
@@ -108,13 +118,14 @@ class Engine:
         """Devices the model is split over (1: not split)."""
         return self._tp.tp if self._tp is not None else 1
 
-    def _init_one_device(self, model: Transformer, loop_layers: bool, cache_dtype, loop_mode: str | None):
+    def _init_one_device(self, model: Transformer, loop_layers: bool, cache_dtype, loop_mode, hooks, stacked_dot):
         self.cfg = model.cfg
         self.loop_layers = loop_layers
         self.graphdef, params = nnx.split(model)
         self.cache_dtype = cache_dtype or model.embed_tokens.embedding.dtype
         if loop_layers:
-            self._plan = LoopedForward(self.graphdef, params, self.cfg, mode=loop_mode or default_loop_mode())
+            mode = loop_mode or default_loop_mode()
+            self._plan = LoopedForward(self.graphdef, params, self.cfg, mode=mode, hooks=hooks, stacked_dot=stacked_dot)
             self.params = self._plan.pack_params(params)
         else:
             self.params = params

@@ -13,10 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
+from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset, shard_config
+from jaxdecode.decode import Engine, default_dtype
+from jaxdecode.looped_model import default_loop_mode
 from jaxdecode.memory import preflight
 from jaxdecode.model import Transformer, init_random, load_state_dict
 from jaxdecode.tokenizer import Tokenizer
+from jaxdecode.tp import TPForward, make_mesh
+from jaxdecode.weights.gguf import default_model_path, gguf_config, gguf_state_dict, read_gguf
+from jaxdecode.weights.safetensors import load_hf_dir
 
 
 @dataclass
@@ -38,9 +43,6 @@ def load_model(
     With `check_memory`, a model whose weights, packing copy and a 4k-token cache cannot fit on the
     device is refused before anything is allocated (`jaxdecode.memory.preflight`).
     """
-    from jaxdecode.weights.gguf import default_model_path, gguf_config, gguf_state_dict, read_gguf
-    from jaxdecode.weights.safetensors import load_hf_dir
-
     path = Path(spec)
     if spec == DEFAULT_MODEL:
         path = default_model_path()
@@ -68,3 +70,28 @@ def load_model(
     model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
     load_state_dict(model, {k: np.asarray(v) for k, v in tensors.items()})
     return LoadedModel(model, tokenizer, source)
+
+
+def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
+    """(Engine over tp devices, tokenizer or None) for a `--model` argument (the CLI's --tp path).
+
+    Presets other than the default get random weights made in place (`TPForward.random`) after a
+    per-device memory preflight; the default model, .gguf files and HF directories are loaded on one
+    device first (`load_model`), then split. Too few devices or a config tp cannot split
+    raise ValueError before anything is loaded (where the config is known up front).
+    """
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    make_mesh(tp)  # too few devices: a ValueError before anything is loaded
+    dtype = default_dtype()
+    if spec in PRESETS:
+        cfg = get_preset(spec)
+        shard_config(cfg, tp)
+        if spec != DEFAULT_MODEL:
+            preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len), looped=False, tp=tp)
+            tpf = TPForward.random(
+                cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers, loop_mode=default_loop_mode()
+            )
+            return Engine(None, tp=tpf), None
+    loaded = load_model(spec, dtype=dtype)
+    return Engine(loaded.model, loop_layers=loop_layers, tp=tp), loaded.tokenizer

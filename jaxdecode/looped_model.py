@@ -25,6 +25,8 @@ GPU XLA copies each W[i] out of its stack before a dot.
 from __future__ import annotations
 
 import functools
+import types
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +35,9 @@ from flax import nnx
 from jax import lax
 
 from jaxdecode.cache import KVCache
-from jaxdecode.config import ModelConfig, get_preset
-from jaxdecode.inplace import SplitSum, StackedRef, takes_split_sums
-from jaxdecode.looping import LoopPlan, LoopReport, Packed, kernel_loop
+from jaxdecode.config import ModelConfig, TensorParallel, get_preset
+from jaxdecode.looping import LoopPlan, LoopReport, Packed, SplitSum, StackedRef, kernel_loop, takes_split_sums
+from jaxdecode.model import Hook, Transformer
 from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, qkv_rope, rms_norm
 
 # Argument and output positions of `forward` below that the plan packs.
@@ -60,8 +62,8 @@ def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes,
     impl = dispatch.choose_gemm(m, n, k, looped=True, block_sizes=block_sizes).impl
     m8 = -(-m // 8) * 8
     stage_bytes = block_sizes.tile_k * (m8 + weights * block_sizes.tile_n) * jnp.dtype(dtype).itemsize
-    # two pipeline stages must fit (as flat_gemm counts them); until 2026-11-30 this hook also doubled
-    # the bytes, which sent one-weight looped GEMMs with M > 40 to XLA and would reject every SwiGLU
+    # two pipeline stages must fit, counted as flat_gemm counts them (counting them twice here would
+    # send one-weight looped GEMMs with M > 40 to XLA and reject every SwiGLU)
     if impl == "xla" or (impl == "mosaic" and 2 * stage_bytes > block_sizes.smem_bytes):
         return None
     if impl == "stream" and _stream_blocks(block_sizes).max_stages(m8, jnp.dtype(dtype).itemsize) < 2:
@@ -466,35 +468,43 @@ def kernel_residual_norm(x, block_out, weight, eps, *comm, axis: str, allreduce_
 
 
 # The model's named calls that the in-place loop hands to kernels (`stacked_calls` of `kernel_loop`).
-# `qkv_attend` (2026-11-30, 2 H200s, Llama-3.1-8B at 1k): 4.512 -> 4.474 ms/token at batch 1 on one GPU,
-# 5.000 -> 4.920 at batch 8; with TP2 3.253 -> 3.134 and 4.200 -> 3.990.
-KERNEL_CALLS = {
-    "sdpa": kernel_attention,
-    "swiglu": kernel_swiglu,
-    "qkv": kernel_qkv,
-    "rms_norm": kernel_rms_norm,
-    "qkv_attend": kernel_qkv_attend,
-    "residual_norm": kernel_split_residual_norm,
-}
-
-
-# Hooks for a tensor-parallel config, bound to its mesh axis and all-reduce by `kernel_calls` (they replace
-# the one-device hooks of the same name).
-# `residual_norm` (2026-11-30, 2 H200s, Llama-3.1-8B at 1k, batch 1, per process): 3.136-3.176 ms/token
-# without it, 3.078-3.120 with it.
-CONFIG_CALLS = {"residual_norm": kernel_residual_norm}
-
-
-def kernel_calls(cfg: ModelConfig) -> dict:
-    """The hooks of the in-place loop for cfg: KERNEL_CALLS, and under tensor parallelism (cfg.tp_axis set)
-    CONFIG_CALLS bound to cfg's mesh axis and all-reduce."""
-    if cfg.tp_axis is None:
-        return dict(KERNEL_CALLS)
-    bound = {
-        name: functools.partial(hook, axis=cfg.tp_axis, allreduce_impl=cfg.tp_allreduce)
-        for name, hook in CONFIG_CALLS.items()
+# Each was kept because it measured faster than the calls it replaces (docs/log/).
+KERNEL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType(
+    {
+        Hook.SDPA: kernel_attention,
+        Hook.SWIGLU: kernel_swiglu,
+        Hook.QKV: kernel_qkv,
+        Hook.RMS_NORM: kernel_rms_norm,
+        Hook.QKV_ATTEND: kernel_qkv_attend,
+        Hook.RESIDUAL_NORM: kernel_split_residual_norm,
     }
-    return {**KERNEL_CALLS, **bound}
+)
+
+# Under tensor parallelism these replace the one-device hooks of the same name, and `kernel_calls` binds
+# whatever hook sits at these names to the mesh axis and the all-reduce (keywords `axis`, `allreduce_impl`).
+TP_CALLS: Mapping[Hook, Callable] = types.MappingProxyType({Hook.RESIDUAL_NORM: kernel_residual_norm})
+
+
+def kernel_calls(
+    tp: TensorParallel | None = None, overrides: Mapping[Hook | str, Callable | None] | None = None
+) -> dict[Hook, Callable]:
+    """The hooks of the in-place loop: KERNEL_CALLS, under tensor parallelism (`tp` given) TP_CALLS in
+    their place, then `overrides` on top: {hook: function} replaces a hook, {hook: None} turns it off
+    (the call then runs as written, and the hooks of the calls inside it still apply)."""
+    calls = dict(KERNEL_CALLS)
+    if tp is not None:
+        calls.update(TP_CALLS)
+    for name, hook in (overrides or {}).items():
+        if name not in set(Hook):
+            raise ValueError(f"unknown kernel hook {name!r}; the hooks are {', '.join(h.value for h in Hook)}")
+        if hook is None:
+            calls.pop(Hook(name), None)
+        else:
+            calls[Hook(name)] = hook
+    if tp is not None:
+        for name in TP_CALLS.keys() & calls.keys():
+            calls[name] = functools.partial(calls[name], axis=tp.axis, allreduce_impl=tp.allreduce)
+    return calls
 
 
 def _spec(x) -> jax.ShapeDtypeStruct:
@@ -504,15 +514,24 @@ def _spec(x) -> jax.ShapeDtypeStruct:
 class LoopedForward:
     """forward(params, tokens, positions, cache) with the layers run as one `lax.scan`."""
 
-    def __init__(self, graphdef, params, cfg: ModelConfig, *, mode: str = "slice", stacked_dot=None, calls=None):
+    def __init__(
+        self,
+        graphdef,
+        params,
+        cfg: ModelConfig,
+        *,
+        mode: str = "slice",
+        stacked_dot: Callable | None = None,
+        hooks: Mapping[Hook | str, Callable | None] | None = None,
+    ):
         if mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {mode!r}")
         self.cfg = cfg
         self.mode = mode
         self.index_mode = "slice" if mode == "slice" else "whole"
         self._stacked_dot = (stacked_dot or kernel_stacked_dot) if mode == "inplace" else None
-        # in place: the model's named calls in `kernel_calls(cfg)` go to kernels (`jaxdecode.inplace`)
-        self._calls = dict(calls or kernel_calls(cfg)) if mode == "inplace" else None
+        # in place: the model's named calls in `kernel_calls` go to kernels (`jaxdecode.looping.inplace`)
+        self._calls = kernel_calls(None, hooks) if mode == "inplace" else None
         self._forward = lambda params, tokens, positions, k, v: nnx.merge(graphdef, params)(tokens, positions, k, v)
         self._param_specs = jax.tree.map(_spec, params)
         self._plans: dict[tuple, LoopPlan] = {}
@@ -558,8 +577,6 @@ class LoopedForward:
 
 def model_loop_report(name: str) -> LoopReport:
     """What the pass does to the decode step of a preset (traced from shapes; no weights are made)."""
-    from jaxdecode.model import Transformer
-
     cfg = get_preset(name)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxdecode.cache import cache_bytes
-from jaxdecode.config import ModelConfig
+from jaxdecode.config import ModelConfig, shard_config
 
 GB = 1e9
 
@@ -48,11 +48,7 @@ def estimate(
     cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096, looped: bool = True, tp: int = 1
 ) -> MemoryEstimate:
     """Bytes on one device; with tp > 1 those of one of tp devices (ValueError if tp cannot split cfg)."""
-    shard = cfg
-    if tp != 1:
-        from jaxdecode.tp import shard_config
-
-        shard = shard_config(cfg, tp)
+    shard = shard_config(cfg, tp) if tp != 1 else cfg
     weights = shard.n_params * itemsize
     workspace = batch * cfg.vocab_size * 4 * 2 + 16 * batch * context * max(cfg.dim, shard.ffn_dim) * 4 // 1024
     return MemoryEstimate(weights, weights if looped else 0, cache_bytes(shard, batch, context, itemsize), workspace)

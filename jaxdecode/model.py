@@ -4,9 +4,9 @@ Parameter names follow the Hugging Face checkpoint names (`embed_tokens`, `layer
 `mlp.gate_proj`, `input_layernorm`, ...) so that loaders need no table. One difference: linear weights
 are stored as [in, out] (x @ weight), the transpose of the checkpoint's [out, in].
 
-Tensor parallelism (`jaxdecode.tp`) runs this same model on a per-device shard config; with its
-`tp_axis` set, attention and the MLP each return this device's partial sum (its heads, its ffn
-columns), and the decoder layer all-reduces it into the residual stream (`tp_residual_add`).
+Tensor parallelism (`jaxdecode.tp`) runs this same model on a per-device shard config, built with a
+`TensorParallel` setting: attention and the MLP each return this device's partial sum (its heads, its
+ffn columns), and the decoder layer all-reduces it into the residual stream (`tp_residual_add`).
 
 The layer loop is a plain Python loop. Each layer is applied through `decoder_layer_call`, one
 module-level `jax.jit` function, so every layer call appears in the jaxpr as a call of the same jaxpr:
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdecode.config import ModelConfig
+from jaxdecode.config import ModelConfig, TensorParallel
 from kernels import allreduce
 
 Array = jax.Array
@@ -45,27 +45,27 @@ class Hook(enum.StrEnum):
     RESIDUAL_NORM = "residual_norm"  # the attention's residual add and the MLP's input norm
 
 
-def tp_residual_add(x: Array, block_out: Array, cfg: ModelConfig) -> Array:
-    """x + the block's output. Under tensor parallelism (cfg.tp_axis set) `block_out` is this device's
-    partial sum and is all-reduced first: by XLA's psum, or with cfg.tp_allreduce == "kernel" by
-    `kernels.allreduce.all_reduce`, a peer-to-peer kernel that also does the add where it pays."""
-    if cfg.tp_axis is None:
+def tp_residual_add(x: Array, block_out: Array, tp: TensorParallel | None, comm: tuple[Array, ...] = ()) -> Array:
+    """x + the block's output. Under tensor parallelism (`tp` given) `block_out` is this device's
+    partial sum and is all-reduced first: by XLA's psum, or with tp.allreduce == "kernel" by
+    `kernels.allreduce.all_reduce`, a peer-to-peer kernel that also does the add where it pays, with
+    `comm` its persistent buffers (or none)."""
+    if tp is None:
         return x + block_out
-    if cfg.tp_allreduce == "kernel":
-        return allreduce.all_reduce(block_out, cfg.tp_axis, residual=x)
-    return x + jax.lax.psum(block_out, cfg.tp_axis)
+    if tp.allreduce == "kernel":
+        return allreduce.all_reduce(block_out, tp.axis, residual=x, buffers=comm)
+    return x + jax.lax.psum(block_out, tp.axis)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("tp",))
 def residual_norm(
-    x: Array, block_out: Array, weight: Array, eps: Array | float, *comm: Array, cfg: ModelConfig
+    x: Array, block_out: Array, weight: Array, eps: Array | float, *comm: Array, tp: TensorParallel | None
 ) -> tuple[Array, Array]:
-    """(s, rms_norm(s) · weight) for s = `tp_residual_add(x, block_out)`: the attention block's residual
-    add and the MLP's input norm. x, block_out [..., D]; weight [D]; `comm` as in `decoder_layer_call`.
-    One module-level jitted call, so that under tensor parallelism the in-place looped decode can run
-    the all-reduce, the add and the norm as one kernel (`looped_model.kernel_residual_norm`)."""
-    with allreduce.using_buffers(*comm):
-        s = tp_residual_add(x, block_out, cfg)
+    """(s, rms_norm(s) · weight) for s = `tp_residual_add(x, block_out, tp, comm)`: the attention block's
+    residual add and the MLP's input norm. x, block_out [..., D]; weight [D]; `comm` as in
+    `decoder_layer_call`. One module-level jitted call, so that the in-place looped decode can run the
+    split sum or the all-reduce, the add and the norm as one kernel (`Hook.RESIDUAL_NORM`)."""
+    s = tp_residual_add(x, block_out, tp, comm)
     return s, rms_norm(s, weight, eps)
 
 
@@ -277,22 +277,23 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, tp: TensorParallel | None = None):
         self.cfg = cfg
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, k_cache, v_cache, positions, cos, sin):  # x: [B, T, D]; caches [B, S, K, H]
+    def __call__(self, x, k_cache, v_cache, positions, cos, sin, comm=()):  # x: [B, T, D]; caches [B, S, K, H]
         with jax.named_scope("attention"):
             attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, positions, cos, sin)
         with jax.named_scope("mlp"):
             norm = self.post_attention_layernorm
             x, h = residual_norm(
-                x, attn, norm.weight[...], np.float32(norm.eps), *allreduce.current_buffers(), cfg=self.cfg
+                x, attn, norm.weight[...], np.float32(norm.eps), *comm, tp=self.tp
             )  # the attention's residual add, the MLP's input norm
-            x = tp_residual_add(x, self.mlp(h), self.cfg)
+            x = tp_residual_add(x, self.mlp(h), self.tp, comm)
         return x, k_cache, v_cache
 
 
@@ -300,21 +301,22 @@ class DecoderLayer(nnx.Module):
 def decoder_layer_call(graphdef, state, x, k_cache, v_cache, positions, cos, sin, *comm):
     """Apply one decoder layer given as (graphdef, state): the call boundary the looping pass finds.
 
-    `comm`: the tensor-parallel all-reduce kernel's buffers (`kernels.allreduce.using_buffers`), or
-    nothing. They come in as arguments, not read from the caller's context inside, because jit caches
-    this function's trace: a trace that had read them from the context would keep the first caller's
-    tracers, and the next engine of the same shapes would find them there (an UnexpectedTracerError)."""
-    with allreduce.using_buffers(*comm):
-        return nnx.merge(graphdef, state)(x, k_cache, v_cache, positions, cos, sin)
+    `comm`: the tensor-parallel all-reduce kernel's persistent buffers (`kernels.allreduce.all_reduce`),
+    or nothing. They are arguments, never state read from the caller's context, because jit caches this
+    function's trace: a trace that had read them from a context would keep the first caller's tracers."""
+    return nnx.merge(graphdef, state)(x, k_cache, v_cache, positions, cos, sin, comm)
 
 
 class Transformer(nnx.Module):
-    """The decoder. `__call__` maps tokens [B, T] and a KV cache to logits [B, T, V] and the new cache."""
+    """The decoder. `__call__` maps tokens [B, T] and a KV cache to logits [B, T, V] and the new cache.
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    `tp`: set on one device's shard of a tensor-parallel model (`jaxdecode.tp`), None otherwise."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, tp: TensorParallel | None = None):
         self.cfg = cfg
+        self.tp = tp
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, tp=tp) for _ in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, dtype=dtype, rngs=rngs)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # [H/2], a constant, not a parameter
@@ -338,16 +340,15 @@ class Transformer(nnx.Module):
                 logits = self.lm_head(x)  # [B, T, V]
         return logits.astype(jnp.float32), new_k, new_v
 
-    def run_layers(self, x, k_caches, v_caches, positions, cos, sin):
+    def run_layers(self, x, k_caches, v_caches, positions, cos, sin, comm=()):
         """The decoder layers in order, each one `decoder_layer_call` (the calls the looping pass finds).
-        x [B, T, D]; caches L x [B, S, K, H]; returns x and the new caches."""
+        x [B, T, D]; caches L x [B, S, K, H]; comm: the all-reduce kernel's buffers under tensor
+        parallelism, or (); returns x and the new caches."""
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layers_{i}"):
                 graphdef, state = nnx.split(layer)
-                x, k, v = decoder_layer_call(
-                    graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin, *allreduce.current_buffers()
-                )
+                x, k, v = decoder_layer_call(graphdef, state, x, k_caches[i], v_caches[i], positions, cos, sin, *comm)
             new_k.append(k)
             new_v.append(v)
         return x, new_k, new_v

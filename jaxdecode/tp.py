@@ -1,8 +1,9 @@
 """Tensor-parallel (Megatron-style) decode over a 1-D device mesh with `jax.shard_map`.
 
-Every device runs our own `Transformer` forward on a shard config (`shard_config`): N/tp query heads,
-K/tp kv heads, F/tp ffn columns and ceil(V/tp) vocab rows, with `tp_axis` set, so that attention
-psums after o_proj and the MLP psums after down_proj (`jaxdecode.model`). The weights are sliced:
+Every device runs our own `Transformer` forward on a shard config (`config.shard_config`): N/tp query
+heads, K/tp kv heads, F/tp ffn columns and ceil(V/tp) vocab rows, built with a `config.TensorParallel`
+setting, so that attention psums after o_proj and the MLP psums after down_proj (`jaxdecode.model`).
+The weights are sliced:
 
     q/k/v_proj [D, N*H] and their biases: by columns (whole heads)   o_proj [N*H, D]: by rows
     gate/up_proj [D, F]: by columns                                   down_proj [F, D]: by rows
@@ -19,7 +20,7 @@ With kernel looping the per-device forward goes through `looping.kernel_loop` li
 forward: the psums sit inside the layer calls, the calls stay identical, and they become one scan.
 On 2 Hopper GPUs the layer psums of small activations run as one peer-to-peer kernel instead of NCCL
 (`kernels.allreduce`, `allreduce="kernel"`, the default; "psum" keeps NCCL): its flags and mailbox
-are made once here and passed with the weights (`step_params`).
+are made once here, passed with the weights (`step_params`) and handed down to every all-reduce.
 The plan is traced inside a shard_map, where the axis name is bound.
 
 tp must divide n_heads, n_kv_heads and ffn_dim. The default model, SmolLM2-135M (9 heads, 3 kv
@@ -32,8 +33,8 @@ Known debt: `TPForward.from_model` needs the whole model on one device first; on
 
 from __future__ import annotations
 
-import math
 import os
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before any NCCL communicator
@@ -46,10 +47,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdecode.cache import KVCache
-from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset
+from jaxdecode.config import ModelConfig, TensorParallel, shard_config
 from jaxdecode.looped_model import LOOP_MODES, kernel_calls, kernel_stacked_dot
 from jaxdecode.looping import LoopPlan, Packed, kernel_loop
-from jaxdecode.model import Transformer, rope_cos_sin, rope_inv_freq
+from jaxdecode.model import Hook, Transformer, rope_cos_sin, rope_inv_freq
 from kernels import allreduce as kernels_allreduce
 
 AXIS = "tp"
@@ -61,44 +62,6 @@ class TPParams(NamedTuple):
 
     weights: object
     comm: tuple
-
-
-# True: the embedding's all-reduce also goes through `kernels.allreduce.all_reduce` (the peer-to-peer
-# kernel at decode on 2 Hopper GPUs, psum elsewhere), so the step loop holds no NCCL psum. Off until
-# measured on 2 GPUs (`benchmarks/tp_gap_ab_gpu.py` variant "+embed_kernel").
-EMBED_KERNEL = False
-
-
-def valid_tp(cfg: ModelConfig) -> list[int]:
-    """The device counts this config splits over: divisors of gcd(N, K, F)."""
-    g = math.gcd(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
-    return [d for d in range(1, g + 1) if g % d == 0]
-
-
-def shard_config(cfg: ModelConfig, tp: int, allreduce: str = "kernel") -> ModelConfig:
-    """The config one of tp devices runs: N/tp, K/tp, F/tp, ceil(V/tp), tp_axis set and the
-    all-reduce implementation `allreduce` ("psum" or "kernel", see `ModelConfig.tp_allreduce`).
-
-    Raises ValueError naming the numbers when tp does not divide the heads or the ffn width.
-    """
-    if tp < 1:
-        raise ValueError(f"tensor parallelism needs tp >= 1, got {tp}")
-    if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.ffn_dim % tp:
-        raise ValueError(
-            f"{cfg.name} cannot be split over {tp} devices: n_heads ({cfg.n_heads}), n_kv_heads "
-            f"({cfg.n_kv_heads}) and ffn_dim ({cfg.ffn_dim}) must all be divisible by {tp}; "
-            f"tp in {valid_tp(cfg)} works"
-        )
-    return cfg.replace(
-        name=f"{cfg.name}/tp{tp}",
-        n_heads=cfg.n_heads // tp,
-        n_kv_heads=cfg.n_kv_heads // tp,
-        ffn_dim=cfg.ffn_dim // tp,
-        head_dim=cfg.head_dim,
-        vocab_size=-(-cfg.vocab_size // tp),
-        tp_axis=AXIS,
-        tp_allreduce=allreduce,
-    )
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
@@ -161,11 +124,17 @@ class TPForward:
         loop_mode: str = "slice",
         devices=None,
         allreduce: str = "kernel",
+        embed_kernel: bool = False,
+        stacked_dot: Callable | None = None,
+        hooks: Mapping[Hook | str, Callable | None] | None = None,
     ):
         if loop_mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {loop_mode!r}")
         self.cfg, self.tp, self.dtype = cfg, tp, jnp.dtype(dtype)
-        self.shard_cfg = shard_config(cfg, tp, allreduce)
+        self.shard_cfg = shard_config(cfg, tp)
+        self.settings = TensorParallel(AXIS, allreduce, embed_kernel)
+        self._stacked_dot = stacked_dot or kernel_stacked_dot
+        self._hooks = hooks
         self.mesh = make_mesh(tp, devices)
         # The barrier-free all-reduce kernel's flags and mailbox (kernels.allreduce.persistent_buffers):
         # made once, they ride in `step_params`, so every jitted step gets the same arrays as arguments.
@@ -178,7 +147,7 @@ class TPForward:
         ):
             self._comm = kernels_allreduce.persistent_buffers(self.mesh, AXIS, self.dtype)
         self.loop_layers, self.mode = loop_layers, loop_mode
-        local = nnx.eval_shape(lambda: Transformer(self.shard_cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        local = nnx.eval_shape(lambda: Transformer(self.shard_cfg, dtype=dtype, rngs=nnx.Rngs(0), tp=self.settings))
         self.graphdef, local_state = nnx.split(local)
         padded = cfg.replace(vocab_size=self.shard_cfg.vocab_size * tp)
         _, self._global_specs = nnx.split(nnx.eval_shape(lambda: Transformer(padded, dtype=dtype, rngs=nnx.Rngs(0))))
@@ -268,20 +237,19 @@ class TPForward:
     def _local_forward(self, params, tokens, positions, k_caches, v_caches, *comm):
         """One device's forward: local weights and caches, full logits [B, T, V] out. `comm`: this
         device's shards of the all-reduce kernel's persistent buffers, or nothing."""
-        with kernels_allreduce.using_buffers(*comm):
-            return self._local_forward_body(params, tokens, positions, k_caches, v_caches)
-
-    def _local_forward_body(self, params, tokens, positions, k_caches, v_caches):
         model = nnx.merge(self.graphdef, params)
         vocab = model.cfg.vocab_size  # V_pad / tp rows here
         with jax.named_scope("embed"):
             local = tokens - jax.lax.axis_index(AXIS) * vocab  # [B, T], index into this device's rows
             mine = (local >= 0) & (local < vocab)  # [B, T]
             x = jnp.where(mine[..., None], model.embed_tokens(jnp.where(mine, local, 0)), 0)  # [B, T, D]
-            # [B, T, D]; EMBED_KERNEL: by the all-reduce kernel where it takes x (decode on 2 Hopper GPUs)
-            x = kernels_allreduce.all_reduce(x, AXIS) if EMBED_KERNEL else jax.lax.psum(x, AXIS)
+            # [B, T, D]; with embed_kernel: by the all-reduce kernel where it takes x (decode on 2 Hopper GPUs)
+            if self.settings.embed_kernel:
+                x = kernels_allreduce.all_reduce(x, AXIS, buffers=comm)
+            else:
+                x = jax.lax.psum(x, AXIS)
             cos, sin = rope_cos_sin(model.inv_freq[...], positions)  # [B, T, H]
-        x, new_k, new_v = model.run_layers(x, k_caches, v_caches, positions, cos, sin)
+        x, new_k, new_v = model.run_layers(x, k_caches, v_caches, positions, cos, sin, comm)
         with jax.named_scope("lm_head"):
             x = model.norm(x)
             logits = model.embed_tokens.attend(x) if model.lm_head is None else model.lm_head(x)  # [B, T, V_pad/tp]
@@ -304,8 +272,8 @@ class TPForward:
                     *args,
                     index_mode="slice" if self.mode == "slice" else "whole",
                     packed_outputs={1: _K, 2: _V},
-                    stacked_dot=kernel_stacked_dot if self.mode == "inplace" else None,
-                    stacked_calls=kernel_calls(c) if self.mode == "inplace" else None,
+                    stacked_dot=self._stacked_dot if self.mode == "inplace" else None,
+                    stacked_calls=kernel_calls(self.settings, self._hooks) if self.mode == "inplace" else None,
                 ),
             )
         return self._plans[key]
@@ -346,36 +314,6 @@ class TPForward:
         shape = jax.eval_shape(make)
         shardings = jax.tree.map(lambda a: NamedSharding(self.mesh, P(*(None,) * (a.ndim - 2), AXIS, None)), shape)
         return jax.jit(make, out_shardings=shardings)()
-
-
-def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
-    """(Engine over tp devices, tokenizer or None) for a `--model` argument (the CLI's --tp path).
-
-    Presets other than the default get random weights made in place (`TPForward.random`) after a
-    per-device memory preflight; the default model, .gguf files and HF directories are loaded on one
-    device first (`loading.load_model`), then split. Too few devices or a config tp cannot split
-    raise ValueError before anything is loaded (where the config is known up front).
-    """
-    from jaxdecode.decode import Engine, default_dtype
-    from jaxdecode.loading import load_model
-    from jaxdecode.looped_model import default_loop_mode
-    from jaxdecode.memory import preflight
-
-    if tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {tp}")
-    make_mesh(tp)
-    dtype = default_dtype()
-    if spec in PRESETS:
-        cfg = get_preset(spec)
-        shard_config(cfg, tp)
-        if spec != DEFAULT_MODEL:
-            preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len), looped=False, tp=tp)
-            tpf = TPForward.random(
-                cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers, loop_mode=default_loop_mode()
-            )
-            return Engine(None, tp=tpf), None
-    loaded = load_model(spec, dtype=dtype)
-    return Engine(loaded.model, loop_layers=loop_layers, tp=tp), loaded.tokenizer
 
 
 def _hash_uniform(shape, seed: int, std: float, dtype):

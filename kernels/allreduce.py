@@ -1,8 +1,8 @@
 """One-shot all-reduce for tensor-parallel decode: Mosaic GPU kernels, peer to peer over NVLink.
 
 A tensor-parallel decode step all-reduces a [B, D] activation twice per layer. At batch 1 that is
-8 KB, so its cost is latency, not bandwidth: NCCL behind `lax.psum` takes about 20-25 µs per call on
-two NVLink H200s, 64 calls per Llama-3.1-8B token. The Kernel Looping paper streams the all-reduce
+8 KB, so its cost is latency, not bandwidth: NCCL's fixed cost per call dominates, 64 calls per
+Llama-3.1-8B token. The Kernel Looping paper streams the all-reduce
 peer to peer into the next kernel's memory instead (papers.md, SN40L); these kernels are the GPU
 analogue: each device writes its partial straight into the peer's mailbox over NVLink
 (`plgpu.remote_ref`), the two handshake, and each sums the slots in float32 in slot order, rounded
@@ -12,12 +12,11 @@ the sum of two bf16 values is exact in float32). One CTA, 128 threads, one launc
 Two kernels:
 - `all_reduce_kernel` (n devices): semaphores and mailbox are the kernel's scratch and output, so
   XLA runs it behind a cross-device NCCL barrier kernel and a fusion that zeroes the semaphores.
-  Measured slower than psum at every size (26.8 vs 20.0 µs; TP2 decode 3.85 vs 3.77 ms/token); kept
-  for comparison, never picked by `all_reduce`.
+  Measured slower than psum at every size (docs/log/); kept for comparison, never picked by `all_reduce`.
 - `all_reduce_persistent` (2 devices): flags and mailbox are inputs the caller keeps alive across
   calls (`persistent_buffers`), epoch-numbered instead of zeroed, so it runs with no barrier
-  (`skip_device_barrier=True`). `all_reduce` picks it for small x inside `using_buffers`; the
-  tensor-parallel engine passes the buffers with its params (`TPForward.step_params`). They must be
+  (`skip_device_barrier=True`). `all_reduce` picks it for small x when given the buffers; the
+  tensor-parallel engine passes them with its params (`TPForward.step_params`) down to every call. They must be
   arguments of the jitted program: closed over, jax embeds them as HLO constants, which XLA may
   materialize as fresh zeroed temporaries, and the decode hung that way.
 
@@ -36,7 +35,6 @@ hook): one reduction over the warpgroup per row, the weight row read in place fr
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -297,46 +295,17 @@ def all_reduce_kernel(x: jax.Array, axis: str, devices: int) -> jax.Array:
     return y.reshape(x.shape)
 
 
-_PERSISTENT: list[tuple[jax.Array, jax.Array]] = []  # (state, mailbox) shards set by `using_buffers`
-
-
-@contextlib.contextmanager
-def using_buffers(*buffers: jax.Array):
-    """While tracing inside this context, `all_reduce` on 2 devices uses the barrier-free kernel with
-    these shards of `persistent_buffers`, (state, mailbox); with no buffers it changes nothing, so that
-    callers can pass on `current_buffers()` whatever it holds. They must be arguments of the jitted
-    program (a tensor-parallel forward takes them with its params), not constants it closes over."""
-    if len(buffers) not in (0, 2):
-        raise ValueError(f"using_buffers takes (state, mailbox) or nothing, got {len(buffers)} arrays")
-    if buffers:
-        _PERSISTENT.append(buffers)
-    try:
-        yield
-    finally:
-        if buffers:
-            _PERSISTENT.pop()
-
-
-def current_buffers() -> tuple[jax.Array, ...]:
-    """The (state, mailbox) of the innermost `using_buffers`, or (). A jitted function that calls
-    `all_reduce` should take these as arguments and re-enter `using_buffers` inside: reading them from
-    the context while jit traces it would leave the caller's tracers in jit's cache."""
-    return _PERSISTENT[-1] if _PERSISTENT else ()
-
-
-# The largest x (elements) the barrier-free kernel takes in `all_reduce`. Measured on 2 H200s at [B, 4096]
-# bf16 (its first, two-handshake version, BENCHMARKS.md): 22.4 against 25.5 µs for psum at 4096 elements,
-# 27.0 against 26.5 at 32768; in Llama-3.1-8B TP2 decode 3.54 against 3.97 ms/token at batch 1, 4.41
-# against 4.27 at batch 8. Set between the two: the 8192 of a 70B row at batch 1 takes the kernel
-# (21.1 ms/token with it, one-handshake version).
+# The largest x (elements) the barrier-free kernel takes in `all_reduce`: above it psum was faster on 2
+# H200s; a 70B row at batch 1 (8192) still takes the kernel (measurements: docs/log/).
 PERSISTENT_MAX_ELEMENTS = 8192
 
 
-def takes(x: jax.Array, axis: str, buffers=None) -> bool:
-    """Whether `all_reduce` runs x through the barrier-free kernel with `buffers` (state, mailbox), by
-    default those of the innermost `using_buffers`: 2 devices on `axis`, Hopper GPUs, 16-bit x of at most
+def takes(x: jax.Array, axis: str, buffers: tuple[jax.Array, ...]) -> bool:
+    """Whether `all_reduce` runs x through the barrier-free kernel with `buffers` (state, mailbox) of
+    `persistent_buffers`, or () for none: 2 devices on `axis`, Hopper GPUs, 16-bit x of at most
     PERSISTENT_MAX_ELEMENTS in a mailbox of its dtype."""
-    buffers = (_PERSISTENT[-1] if _PERSISTENT else ()) if buffers is None else buffers
+    if len(buffers) not in (0, 2):
+        raise ValueError(f"all-reduce buffers are (state, mailbox) or nothing, got {len(buffers)} arrays")
     return (
         len(buffers) == 2
         and lax.axis_size(axis) == 2
@@ -347,14 +316,18 @@ def takes(x: jax.Array, axis: str, buffers=None) -> bool:
     )
 
 
-def all_reduce(x: jax.Array, axis: str, residual: jax.Array | None = None) -> jax.Array:
+def all_reduce(
+    x: jax.Array, axis: str, residual: jax.Array | None = None, buffers: tuple[jax.Array, ...] = ()
+) -> jax.Array:
     """lax.psum(x, axis) (plus `residual` when given, the residual add that follows a block's
-    all-reduce), by the barrier-free kernel where it pays (`takes`: inside `using_buffers`, on 2 Hopper
-    GPUs, for 16-bit x of at most PERSISTENT_MAX_ELEMENTS; with the residual added in the kernel: one
-    launch fewer); by `lax.psum` (then the add) everywhere else. (The kernel behind XLA's barrier,
-    `all_reduce_kernel`, is slower than psum at every size measured, so it is never picked here.)"""
-    if takes(x, axis) and (residual is None or (residual.shape, residual.dtype) == (x.shape, x.dtype)):
-        return all_reduce_persistent(x, axis, *_PERSISTENT[-1], residual=residual)
+    all-reduce), by the barrier-free kernel where it pays (`takes`: with `buffers`, this device's shards
+    of `persistent_buffers`, on 2 Hopper GPUs, for 16-bit x of at most PERSISTENT_MAX_ELEMENTS; with the
+    residual added in the kernel: one launch fewer); by `lax.psum` (then the add) everywhere else. The
+    buffers must be arguments of the jitted program, not constants it closes over (see the module
+    docstring). (The kernel behind XLA's barrier, `all_reduce_kernel`, is slower than psum at every size
+    measured, so it is never picked here.)"""
+    if takes(x, axis, buffers) and (residual is None or (residual.shape, residual.dtype) == (x.shape, x.dtype)):
+        return all_reduce_persistent(x, axis, *buffers, residual=residual)
     total = lax.psum(x, axis)
     return total if residual is None else residual + total
 

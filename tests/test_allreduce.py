@@ -9,6 +9,7 @@ tensor-parallel model whose layers call the kernel (they must still loop into on
 2-device CPU checks run in a subprocess with fake devices (the session's JAX has one).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode.config import get_preset
+from jaxdecode.config import TensorParallel, get_preset
 from kernels import allreduce
 
 # -- the worker (a subprocess with 2 fake CPU devices) -----------------------------------------------
@@ -153,23 +154,20 @@ def test_kernel_refuses_inputs_it_does_not_take():
             allreduce.all_reduce_kernel(bad, "tp", 2)
 
 
-def test_using_buffers_takes_the_pair_or_nothing():
+def test_buffers_are_the_pair_or_nothing():
     state, mailbox = jnp.zeros((allreduce.STATE_WORDS,), jnp.int32), jnp.zeros((2, 128), jnp.bfloat16)
-    with allreduce.using_buffers():
-        assert allreduce.current_buffers() == ()
-    with allreduce.using_buffers(state, mailbox):
-        assert allreduce.current_buffers() == (state, mailbox)
-        with allreduce.using_buffers():  # nothing given: the outer pair stays in effect
-            assert allreduce.current_buffers() == (state, mailbox)
-    assert allreduce.current_buffers() == ()
-    with pytest.raises(ValueError, match=r"takes \(state, mailbox\) or nothing, got 1"):
-        with allreduce.using_buffers(state):
-            pass
+    x = jnp.zeros((1, 128), jnp.bfloat16)
+    assert not allreduce.takes(x, "tp", ())  # no buffers: psum (and on the CPU, never the kernel)
+    with pytest.raises(ValueError, match=r"\(state, mailbox\) or nothing, got 1"):
+        allreduce.takes(x, "tp", (state,))
+    with pytest.raises(ValueError, match=r"\(state, mailbox\) or nothing, got 3"):
+        allreduce.takes(x, "tp", (state, mailbox, mailbox))
 
 
 def test_config_names_a_bad_allreduce():
-    with pytest.raises(ValueError, match="tp_allreduce must be 'psum' or 'kernel'"):
-        get_preset("tiny-gqa").replace(tp_allreduce="nccl")
+    with pytest.raises(ValueError, match="TensorParallel.allreduce must be one of .* got 'nccl'"):
+        TensorParallel(allreduce="nccl")
+    assert "tp_axis" not in {f.name for f in dataclasses.fields(get_preset("tiny-gqa"))}  # not a model's setting
 
 
 # -- compiled, on 2 Hopper GPUs ------------------------------------------------------------------------

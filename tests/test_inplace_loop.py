@@ -10,9 +10,8 @@ import pytest
 from flax import nnx
 from jax import lax
 
-from jaxdecode.config import get_preset
+from jaxdecode.config import TensorParallel, get_preset
 from jaxdecode.decode import Engine
-from jaxdecode.inplace import SplitSum, StackedRef, output_aliases
 from jaxdecode.looped_model import (
     LoopedForward,
     kernel_attention,
@@ -24,7 +23,8 @@ from jaxdecode.looped_model import (
     kernel_stacked_dot,
     kernel_swiglu,
 )
-from jaxdecode.looping import kernel_loop
+from jaxdecode.looping import SplitSum, StackedRef, kernel_loop
+from jaxdecode.looping.inplace import output_aliases
 from jaxdecode.model import init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm import BlockSizes
@@ -287,10 +287,8 @@ def test_residual_norm_hooks_per_config(tiny):
     """One device's `residual_norm` hook adds the o projection's split partials in its norm kernel; a
     tensor-parallel config gets the all-reduce hook instead, bound to its mesh axis and all-reduce, which
     leaves the call as written with psum, and with the kernel where the all-reduce kernel has no buffers."""
-    from jaxdecode.tp import shard_config
-
-    assert kernel_calls(tiny.cfg)["residual_norm"] is kernel_split_residual_norm
-    hook = kernel_calls(shard_config(tiny.cfg, 2))["residual_norm"]
+    assert kernel_calls()["residual_norm"] is kernel_split_residual_norm
+    hook = kernel_calls(TensorParallel())["residual_norm"]
     assert (hook.func, hook.keywords["axis"], hook.keywords["allreduce_impl"]) == (kernel_residual_norm, "tp", "kernel")
     x = jnp.ones((1, 1, 256), jnp.bfloat16)
     weight = StackedRef(jnp.ones((2, 256), jnp.bfloat16), jnp.int32(0))

@@ -19,13 +19,14 @@ RTOL = 1e-5  # f32; TP only reorders the sums of o_proj and down_proj (psum of t
 # -- the worker (runs in a subprocess with fake devices) --------------------------------------------
 
 
-def _compare(cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "slice") -> dict:
+def _compare(cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "slice", hooks=None) -> dict:
     from jaxdecode.decode import Engine
     from jaxdecode.model import init_random
 
     model = init_random(cfg, seed=5)
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
-    one, split = Engine(model, loop_layers=loop, loop_mode=mode), Engine(model, loop_layers=loop, loop_mode=mode, tp=tp)
+    one = Engine(model, loop_layers=loop, loop_mode=mode, hooks=hooks)
+    split = Engine(model, loop_layers=loop, loop_mode=mode, tp=tp, hooks=hooks)
     a, b = one.forward_logits(prompts), split.forward_logits(prompts)  # [B, T, V]
     out = {
         "rel": float(np.abs(a - b).max() / np.abs(a).max()),
@@ -53,16 +54,10 @@ def _random_in_place(cfg, tp: int) -> dict:
     return {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "spread": float(a.std())}
 
 
-def _compare_with_hook(cfg, calls: dict, name: str, hook) -> dict:
-    """`_compare` over 2 devices in the in-place mode with calls[name] set to `hook`, restored after; `calls`
-    is one of `jaxdecode.looped_model`'s hook tables, read when the engines' plans are traced."""
-    saved = dict(calls)
-    calls[name] = hook
-    try:
-        return _compare(cfg, 2, loop=True, mode="inplace")
-    finally:
-        calls.clear()
-        calls.update(saved)
+def _compare_with_hook(cfg, name: str, hook) -> dict:
+    """`_compare` over 2 devices in the in-place mode with the hook `name` replaced by `hook`, passed to
+    both engines through their public `hooks` argument."""
+    return _compare(cfg, 2, loop=True, mode="inplace", hooks={name: hook})
 
 
 def _compare_qkv_attend(cfg) -> dict:
@@ -91,7 +86,7 @@ def _compare_qkv_attend(cfg) -> dict:
             ran.append(args[6].stack.shape[2])  # w_q's width: 48 on one device, 24 on each of two
         return out
 
-    out = _compare_with_hook(cfg, looped_model.KERNEL_CALLS, "qkv_attend", hook)
+    out = _compare_with_hook(cfg, "qkv_attend", hook)
     return {**out, "hook_widths": sorted(set(ran))}
 
 
@@ -119,7 +114,7 @@ def _compare_residual_norm(cfg) -> dict:
             ran.append(axis)
         return out
 
-    out = _compare_with_hook(cfg, looped_model.CONFIG_CALLS, "residual_norm", hook)  # bound to each engine's config
+    out = _compare_with_hook(cfg, "residual_norm", hook)  # bound to the mesh axis by the TP engine
     return {**out, "hook_axes": sorted(set(ran))}
 
 
@@ -339,7 +334,7 @@ def test_tp_scaling_dry_run_writes_every_tp(tmp_path):
 
 def test_heads_not_divisible_is_refused_with_the_numbers():
     from jaxdecode.config import PRESETS
-    from jaxdecode.tp import shard_config
+    from jaxdecode.config import shard_config
 
     with pytest.raises(
         ValueError,
