@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import decode_attention as da
-from kernels.decode_attention_kernels import _layout
+from kernels.decode_attention.layout import split_layout as _layout
 
 LAYERS, S, H, GROUP, LENGTH = 32, 1152, 128, 4, 1040
 

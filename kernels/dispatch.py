@@ -172,8 +172,8 @@ def choose_gemm(
         if exact:
             return Choice(e.gemv_impl, f"M={m} < M1: {tail}")
         # The GEMV kernel loops over K on CUDA cores, so its speed does not carry over from another
-        # shape: Qwen2.5-7B's looped decode at batch 1 ran 6.29 ms/token with GEMV taken from the
-        # nearest entries and 4.71 ms/token without (H200, BENCHMARKS.md).
+        # shape: taken from the nearest entries it made Qwen2.5-7B's looped decode far slower on the
+        # H200 (see docs/log/).
         return Choice(e.flat_impl, f"M={m} < M1, but GEMV is not extrapolated to an unprofiled shape: {tail}")
     if e.m2 is not None and m >= e.m2:
         return Choice("xla", f"M={m} >= M2: XLA dot; {tail}")

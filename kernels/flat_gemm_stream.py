@@ -48,17 +48,6 @@ class StreamBlocks:
         return (self.smem_bytes - 2 * self.tile_n * m8 * 4) // per_stage
 
 
-def flat_gemm_multi_reference(x, ws, layer=None, out_dtype=None):
-    """(x [M, K] · w[layer] for w in ws), each [M, N_i] in f32 accumulation, cast to out_dtype
-    (default x.dtype). ws: [L, K, N_i] stacks (then `layer` is needed) or [K, N_i] matrices."""
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    outs = []
-    for w in ws:
-        w_l = w if w.ndim == 2 else lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-        outs.append(jnp.dot(x, w_l, preferred_element_type=jnp.float32).astype(out_dtype))
-    return tuple(outs)
-
-
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The static Stream-K layout of one call: units, their split over CTAs, the partial-sum slots."""
@@ -258,3 +247,18 @@ def flat_gemm_multi(
     y = combine(partials, sched, block_sizes.tile_n, x.shape[0])  # [M, ΣN] f32
     bounds = np.cumsum([w.shape[2] for w in ws])[:-1]
     return tuple(part.astype(out_dtype) for part in jnp.split(y, bounds, axis=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+def flat_gemm_multi_reference(x, ws, layer=None, out_dtype=None):
+    """(x [M, K] · w[layer] for w in ws), each [M, N_i] in f32 accumulation, cast to out_dtype
+    (default x.dtype). ws: [L, K, N_i] stacks (then `layer` is needed) or [K, N_i] matrices."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    outs = []
+    for w in ws:
+        w_l = w if w.ndim == 2 else lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+        outs.append(jnp.dot(x, w_l, preferred_element_type=jnp.float32).astype(out_dtype))
+    return tuple(outs)

@@ -4,11 +4,11 @@ and k (RoPE), lay q out as the attention kernel's rows, and write k and v into t
 In a looped decode step (one token per sequence), what follows the q·k·v GEMM is a handful of
 elementwise work on [B, (N + 2K)·H] values and two single-row cache writes. XLA runs it as three
 kernels per layer on the GPU (q's RoPE and row padding, then one in-place write per cache), each a
-1.3-2 µs launch around a few KB, or five at batch 8 (a transpose first, and the writes as scatters).
+launch around a few KB, or five at batch 8 (a transpose first, and the writes as scatters).
 This kernel does all of it in one launch over (sequence, kv head, role): one program per query
 head, one for the key head and one for the value head, each with a few loads before its stores.
-Measured on an H200 (Llama-3.1-8B decode, BENCHMARKS.md): 1.5-1.7 µs per layer, where XLA's three
-kernels took 4.6 µs. A first version with one program per kv head, its heads one after another,
+On an H200 (Llama-3.1-8B decode) it takes about a third of the time of XLA's three kernels per
+layer (see docs/log/). A first version with one program per kv head, its heads one after another,
 gained nothing end to end.
 
 Inputs, as `kernels.flat_gemm_stream.stream_partials` leaves them: partials [P, (N + 2K)·H, M8] f32
@@ -119,53 +119,6 @@ def _kernel(layer_ref, pos_ref, *refs, heads: int, kv_heads: int, tile_n: int, b
         )
 
 
-def qkv_rope_write(
-    partials,
-    written,
-    cos,
-    sin,
-    positions,
-    k_stack,
-    v_stack,
-    layer,
-    biases=(),
-    *,
-    heads: int,
-    tile_n: int,
-    rows: int = 16,
-    interpret: bool = False,
-    poison: bool = False,
-):
-    """(q_rows [B, K, rows, H], k_stack, v_stack): see the module docstring.
-
-    partials [P, (heads + 2K)·H, M8] f32 (column b: sequence b; M8 >= B); written [P, T] (a host array
-    of bools, T = columns / tile_n: a static property of the GEMM's schedule); cos, sin [B, H] f32 (the
-    token's angles, halves repeated); positions [B] int32; k_stack, v_stack [L, B, S, K, H] (updated in
-    place); layer an int32 scalar; biases () or the three stacks [L, heads·H], [L, K·H], [L, K·H].
-    poison=True (tests) starts q from NaN. Where every slot is written the kernel takes no table (as an
-    input it would be a constant that XLA rebuilds with a broadcast kernel inside the layer loop).
-    """
-    written = np.asarray(written, bool)
-    if written.ndim != 2:
-        raise ValueError(f"written must be a [P, T] array of the GEMM's written slots, got shape {list(written.shape)}")
-    return _qkv_rope_write(
-        partials,
-        tuple(map(tuple, written.tolist())),
-        cos,
-        sin,
-        positions,
-        k_stack,
-        v_stack,
-        layer,
-        tuple(biases),
-        heads=heads,
-        tile_n=tile_n,
-        rows=rows,
-        interpret=interpret,
-        poison=poison,
-    )
-
-
 @functools.partial(jax.jit, static_argnames=("written", "heads", "tile_n", "rows", "interpret", "poison"))
 def _qkv_rope_write(
     partials, written, cos, sin, positions, k_stack, v_stack, layer, biases, *, heads, tile_n, rows, interpret, poison
@@ -239,6 +192,53 @@ def _qkv_rope_write(
     )(*inputs)
 
 
+def qkv_rope_write(
+    partials,
+    written,
+    cos,
+    sin,
+    positions,
+    k_stack,
+    v_stack,
+    layer,
+    biases=(),
+    *,
+    heads: int,
+    tile_n: int,
+    rows: int = 16,
+    interpret: bool = False,
+    poison: bool = False,
+):
+    """(q_rows [B, K, rows, H], k_stack, v_stack): see the module docstring.
+
+    partials [P, (heads + 2K)·H, M8] f32 (column b: sequence b; M8 >= B); written [P, T] (a host array
+    of bools, T = columns / tile_n: a static property of the GEMM's schedule); cos, sin [B, H] f32 (the
+    token's angles, halves repeated); positions [B] int32; k_stack, v_stack [L, B, S, K, H] (updated in
+    place); layer an int32 scalar; biases () or the three stacks [L, heads·H], [L, K·H], [L, K·H].
+    poison=True (tests) starts q from NaN. Where every slot is written the kernel takes no table (as an
+    input it would be a constant that XLA rebuilds with a broadcast kernel inside the layer loop).
+    """
+    written = np.asarray(written, bool)
+    if written.ndim != 2:
+        raise ValueError(f"written must be a [P, T] array of the GEMM's written slots, got shape {list(written.shape)}")
+    return _qkv_rope_write(
+        partials,
+        tuple(map(tuple, written.tolist())),
+        cos,
+        sin,
+        positions,
+        k_stack,
+        v_stack,
+        layer,
+        tuple(biases),
+        heads=heads,
+        tile_n=tile_n,
+        rows=rows,
+        interpret=interpret,
+        poison=poison,
+    )
+
+
 def qkv_rope_write_reference(
     partials,
     written,
@@ -256,7 +256,7 @@ def qkv_rope_write_reference(
 ):
     """What the model computes, in jnp: the partials combined as `flat_gemm_stream.combine` does, q, k, v
     rounded, biased, rotated (`jaxdecode.model.apply_rope` written out), the rows written with
-    `dynamic_update_slice` per sequence, and q laid out as rows (`decode_attention_kernels._to_rows`)."""
+    `dynamic_update_slice` per sequence, and q laid out as rows (`kernels.decode_attention.layout.to_rows`)."""
     _, batch, _, kv_heads, head_dim = k_stack.shape
     dtype = k_stack.dtype
     mask = jnp.repeat(jnp.asarray(written, bool), tile_n, axis=1)[:, :, None]  # [P, C, 1]

@@ -2,7 +2,7 @@
 
 The looped decode normalizes x [M, D] twice per layer (before q·k·v and before gate·up). XLA runs
 each norm as two kernels on the GPU, a reduction and then the scale, because a reduction is the
-root of its fusion; at batch 1 each is a 1-2 µs launch around a few KB of data. This kernel does
+root of its fusion; at batch 1 each is a launch around a few KB of data. This kernel does
 both in one launch per norm, and takes the stacked weights [L, D] with the layer index, so no row
 of the stack is sliced out first.
 
@@ -36,7 +36,11 @@ def chunk_size(dim: int, cap: int = 4096) -> int:
     return min(dim & -dim, cap)
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, eps: float, chunk: int):
+# ---------------------------------------------------------------------------------------------
+# Kernel bodies
+
+
+def _norm_kernel(layer_ref, x_ref, w_ref, o_ref, *, eps: float, chunk: int):
     """x_ref [D] (one row), w_ref [L, D] (the whole stack), o_ref [D]."""
     dim = x_ref.shape[0]
     layer = layer_ref[()]
@@ -56,54 +60,6 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, eps: float, chunk: int):
         return carry
 
     lax.fori_loop(0, steps, scale, 0)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison"))
-def rms_norm(
-    x: jax.Array,
-    weights: jax.Array,
-    layer: jax.Array | int,
-    *,
-    eps: float,
-    num_warps: int = 4,
-    interpret: bool = False,
-    poison: bool = False,
-) -> jax.Array:
-    """weights[layer] * (x / sqrt(mean(x², axis=-1) + eps)) for x [M, D] and a stack weights [L, D].
-
-    The weight row is read in place (the kernel gets the whole stack and the index). poison=True
-    (tests) hands the kernel a NaN-filled output buffer, so an unwritten element shows as NaN.
-    """
-    if x.ndim != 2 or weights.ndim != 2 or weights.shape[1] != x.shape[1]:
-        raise ValueError(f"rms_norm takes x [M, D] and weights [L, D], got {x.shape} and {weights.shape}")
-    if x.dtype != weights.dtype:
-        raise ValueError(f"x and weights must share a dtype, got {x.dtype} and {weights.dtype}")
-    rows, dim = x.shape
-    layer = jnp.asarray(layer, jnp.int32)
-    body = functools.partial(_kernel, eps=eps, chunk=chunk_size(dim))
-    in_specs = [
-        pl.BlockSpec((), lambda m: ()),  # the layer index
-        pl.BlockSpec((None, dim), lambda m: (m, 0)),  # one row of x
-        pl.BlockSpec(),
-    ]  # the whole weight stack
-    inputs = [layer, x, weights]
-    out_spec = pl.BlockSpec((None, dim), lambda m: (m, 0))
-    if poison:
-        inputs.append(jnp.full(x.shape, jnp.nan, x.dtype))
-        in_specs.append(out_spec)
-        unpoisoned = body
-        body = lambda layer_ref, x_ref, w_ref, _, o_ref: unpoisoned(layer_ref, x_ref, w_ref, o_ref)  # noqa: E731
-    return pl.pallas_call(
-        body,
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(rows,),
-        in_specs=in_specs,
-        out_specs=out_spec,
-        input_output_aliases={3: 0} if poison else {},
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="rms_norm",
-    )(*inputs)
 
 
 def _residual_kernel(layer_ref, p_ref, r_ref, w_ref, s_ref, o_ref, *, eps: float, chunk: int):
@@ -131,49 +87,44 @@ def _residual_kernel(layer_ref, p_ref, r_ref, w_ref, s_ref, o_ref, *, eps: float
         o_ref[cols] = (normed.astype(jnp.float32) * w_ref[layer, cols].astype(jnp.float32)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison"))
-def residual_rms_norm(
-    partials: jax.Array,
-    residual: jax.Array,
-    weights: jax.Array,
-    layer: jax.Array | int,
-    *,
-    eps: float,
-    num_warps: int = 16,
-    interpret: bool = False,
-    poison: bool = False,
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrappers
+
+
+def _norm_call(x, weights, layer, *, eps: float, num_warps: int, interpret: bool, poison: bool) -> jax.Array:
+    """The pallas_call of `rms_norm`: one program per row of x [M, D]; weights [L, D] whole."""
+    rows, dim = x.shape
+    layer = jnp.asarray(layer, jnp.int32)
+    body = functools.partial(_norm_kernel, eps=eps, chunk=chunk_size(dim))
+    in_specs = [
+        pl.BlockSpec((), lambda m: ()),  # the layer index
+        pl.BlockSpec((None, dim), lambda m: (m, 0)),  # one row of x
+        pl.BlockSpec(),
+    ]  # the whole weight stack
+    inputs = [layer, x, weights]
+    out_spec = pl.BlockSpec((None, dim), lambda m: (m, 0))
+    if poison:
+        inputs.append(jnp.full(x.shape, jnp.nan, x.dtype))
+        in_specs.append(out_spec)
+        unpoisoned = body
+        body = lambda layer_ref, x_ref, w_ref, _, o_ref: unpoisoned(layer_ref, x_ref, w_ref, o_ref)  # noqa: E731
+    return pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(rows,),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        input_output_aliases={3: 0} if poison else {},
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="rms_norm",
+    )(*inputs)
+
+
+def _residual_call(
+    partials, residual, weights, layer, *, eps: float, num_warps: int, interpret: bool, poison: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """(s, rms_norm(s) · weights[layer]) for s = residual + Σ partials: partials [splits, M, D] f32 (a GEMM's
-    split-K partial sums), residual [M, D], weights a stack [L, D] read in place. One program per row.
-
-    Equivalent to the following JAX code (the model's o projection, residual add and `rms_norm`):
-
-      block_out = partials.sum(axis=0).astype(residual.dtype)   # the splits summed in order
-      s = residual + block_out
-      return s, rms_norm(s, weights[layer], eps)
-
-    poison=True (tests) hands the kernel NaN-filled output buffers, so an unwritten element shows as NaN.
-    One program reads the row's partials alone (64 KB for Llama's o GEMV at batch 1), so it takes 16 warps
-    to keep enough loads in flight: in Llama-3.1-8B decode on the H200 (batch 1, BENCHMARKS.md, 2026-12-01)
-    4 warps were slower than XLA's fusion and the norm kernel (4.546 against 4.533 ms/token), 16 were
-    never slower (4.502-4.515 against 4.531-4.533 in one run, 4.447-4.454 against 4.454-4.456 in the next).
-    """
-    if (
-        partials.ndim != 3
-        or residual.ndim != 2
-        or weights.ndim != 2
-        or partials.shape[1:] != residual.shape
-        or weights.shape[1] != residual.shape[1]
-    ):
-        raise ValueError(
-            f"residual_rms_norm takes partials [splits, M, D], residual [M, D] and weights [L, D], got "
-            f"{partials.shape}, {residual.shape} and {weights.shape}"
-        )
-    if partials.dtype != jnp.float32 or residual.dtype != weights.dtype:
-        raise ValueError(
-            f"partials must be float32 and residual and weights share a dtype, got {partials.dtype}, "
-            f"{residual.dtype} and {weights.dtype}"
-        )
+    """The pallas_call of `residual_rms_norm`: one program per row; weights [L, D] whole."""
     splits, rows, dim = partials.shape
     layer = jnp.asarray(layer, jnp.int32)
     body = functools.partial(_residual_kernel, eps=eps, chunk=chunk_size(dim))
@@ -206,13 +157,82 @@ def residual_rms_norm(
     )(*inputs)
 
 
-def residual_rms_norm_reference(partials, residual, weights, layer: int, *, eps: float):
-    """What `residual_rms_norm` computes, in jnp: the splits summed in order, then the model's ops."""
-    total = partials[0]
-    for split in range(1, partials.shape[0]):
-        total = total + partials[split]
-    s = residual + total.astype(residual.dtype)
-    return s, rms_norm_reference(s, weights, layer, eps=eps)
+# ---------------------------------------------------------------------------------------------
+# Public ops
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison"))
+def rms_norm(
+    x: jax.Array,  # [M, D]
+    weights: jax.Array,  # [L, D]
+    layer: jax.Array | int,  # int32 scalar, may be traced
+    *,
+    eps: float,
+    num_warps: int = 4,
+    interpret: bool = False,
+    poison: bool = False,
+) -> jax.Array:
+    """weights[layer] * (x / sqrt(mean(x², axis=-1) + eps)) for x [M, D] and a stack weights [L, D].
+
+    The weight row is read in place (the kernel gets the whole stack and the index). poison=True
+    (tests) hands the kernel a NaN-filled output buffer, so an unwritten element shows as NaN.
+    """
+    if x.ndim != 2 or weights.ndim != 2 or weights.shape[1] != x.shape[1]:
+        raise ValueError(f"rms_norm takes x [M, D] and weights [L, D], got {x.shape} and {weights.shape}")
+    if x.dtype != weights.dtype:
+        raise ValueError(f"x and weights must share a dtype, got {x.dtype} and {weights.dtype}")
+    return _norm_call(x, weights, layer, eps=eps, num_warps=num_warps, interpret=interpret, poison=poison)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison"))
+def residual_rms_norm(
+    partials: jax.Array,  # [splits, M, D] f32
+    residual: jax.Array,  # [M, D]
+    weights: jax.Array,  # [L, D]
+    layer: jax.Array | int,  # int32 scalar, may be traced
+    *,
+    eps: float,
+    num_warps: int = 16,
+    interpret: bool = False,
+    poison: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(s, rms_norm(s) · weights[layer]) for s = residual + Σ partials: partials [splits, M, D] f32 (a GEMM's
+    split-K partial sums), residual [M, D], weights a stack [L, D] read in place. One program per row.
+
+    Equivalent to the following JAX code (the model's o projection, residual add and `rms_norm`):
+
+      block_out = partials.sum(axis=0).astype(residual.dtype)   # the splits summed in order
+      s = residual + block_out
+      return s, rms_norm(s, weights[layer], eps)
+
+    poison=True (tests) hands the kernel NaN-filled output buffers, so an unwritten element shows as NaN.
+    One program reads the row's partials alone (64 KB for Llama's o GEMV at batch 1), so it takes 16 warps
+    to keep enough loads in flight: in Llama-3.1-8B decode on the H200 at batch 1, 4 warps were slower than
+    XLA's fusion and the norm kernel, 16 never slower (A/B runs; see docs/log/).
+    """
+    if (
+        partials.ndim != 3
+        or residual.ndim != 2
+        or weights.ndim != 2
+        or partials.shape[1:] != residual.shape
+        or weights.shape[1] != residual.shape[1]
+    ):
+        raise ValueError(
+            f"residual_rms_norm takes partials [splits, M, D], residual [M, D] and weights [L, D], got "
+            f"{partials.shape}, {residual.shape} and {weights.shape}"
+        )
+    if partials.dtype != jnp.float32 or residual.dtype != weights.dtype:
+        raise ValueError(
+            f"partials must be float32 and residual and weights share a dtype, got {partials.dtype}, "
+            f"{residual.dtype} and {weights.dtype}"
+        )
+    return _residual_call(
+        partials, residual, weights, layer, eps=eps, num_warps=num_warps, interpret=interpret, poison=poison
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# References
 
 
 def rms_norm_reference(x: jax.Array, weights: jax.Array, layer: int, *, eps: float) -> jax.Array:
@@ -220,3 +240,12 @@ def rms_norm_reference(x: jax.Array, weights: jax.Array, layer: int, *, eps: flo
     x32 = x.astype(jnp.float32)
     normed = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return weights[layer] * normed
+
+
+def residual_rms_norm_reference(partials, residual, weights, layer: int, *, eps: float):
+    """What `residual_rms_norm` computes, in jnp: the splits summed in order, then the model's ops."""
+    total = partials[0]
+    for split in range(1, partials.shape[0]):
+        total = total + partials[split]
+    s = residual + total.astype(residual.dtype)
+    return s, rms_norm_reference(s, weights, layer, eps=eps)

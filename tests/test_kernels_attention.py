@@ -1,4 +1,4 @@
-"""kernels/decode_attention.py against its jnp reference: compiled on a GPU, interpreted on the CPU.
+"""kernels/decode_attention against its jnp reference: compiled on a GPU, interpreted on the CPU.
 
 Grid (kernels.shapes.TEST_ATTENTION): GQA groups 1, 3, 4, 8; head dims 64 and 128; batch up to 64;
 S = 1, 40, 63, 65, 200 (not multiples of the block: padded and masked) and 128, 256; T = 1 and 3.
@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 from kernels import decode_attention as da
+from kernels.decode_attention.attention import attention_call
+from kernels.decode_attention.combine import combine_partials, combine_splits
+from kernels.decode_attention.layout import from_rows, split_layout, to_rows
 from kernels.shapes import TEST_ATTENTION, AttentionShape
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -163,7 +166,7 @@ class TestDecodeAttention:
         k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
         v_stack = jnp.stack([v for _, _, v, _ in layers])
         blocks = da.BlockSizes(32, num_splits=2)
-        rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
+        rows = to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
         group = shape.num_heads // shape.num_kv_heads
         got = da.decode_attention_sync_rows(
             rows,
@@ -249,9 +252,7 @@ class TestDecodeAttentionInterpret(TestDecodeAttention):
 
 def test_combine_splits_against_the_jnp_combine():
     """The kernel on its own, in f32, on random partials with one empty split per row group: equal to
-    `_combine_partials` + `_from_rows` to f32 rounding of a 5-term sum."""
-    from kernels.decode_attention_kernels import _combine_partials, _from_rows, combine_splits
-
+    `combine_partials` + `from_rows` to f32 rounding of a 5-term sum."""
     keys = jax.random.split(jax.random.key(42), 3)
     b, kh, splits, rows, g, h = 2, 3, 5, 16, 4, 64
     acc = jax.random.normal(keys[0], (b, kh, splits, rows, h), jnp.float32)
@@ -259,16 +260,14 @@ def test_combine_splits_against_the_jnp_combine():
     m = 3.0 * jax.random.normal(keys[2], (b, kh, splits, rows), jnp.float32)
     acc, l, m = acc.at[:, :, 2].set(0.0), l.at[:, :, 2].set(0.0), m.at[:, :, 2].set(-1e30)  # an empty split
     got = combine_splits(acc, l, m, group=g, out_dtype=jnp.float32, cfg=da.BlockSizes(), interpret=True, poison=True)
-    o, _ = _combine_partials(acc, l, m)
-    want = _from_rows(o, 1, g)
+    o, _ = combine_partials(acc, l, m)
+    want = from_rows(o, 1, g)
     assert got.shape == want.shape == (b, 1, kh * g, h)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 def test_splits_aim_at_576_programs_within_one_wave_and_32_splits():
-    from kernels.decode_attention_kernels import _layout
-
-    splits = lambda b, k, s, **kw: _layout(b, k, s, da.BlockSizes(**kw))[0]  # noqa: E731
+    splits = lambda b, k, s, **kw: split_layout(b, k, s, da.BlockSizes(**kw))[0]  # noqa: E731
     # 1k context (1152 rows = 18 blocks of 64), 8 kv heads: batch 1 takes every block; batch 8 wants
     # 576 / 64 = 9; batch 32 wants 3, but 3 x 256 = 768 programs pass one wave (660), so 2
     assert [splits(b, 8, 1152) for b in (1, 8, 16, 32)] == [18, 9, 3, 2]
@@ -276,7 +275,7 @@ def test_splits_aim_at_576_programs_within_one_wave_and_32_splits():
     # 4k (66 blocks = 2 x 3 x 11) and 8k (130 = 2 x 5 x 13): the largest divisor within 32 splits
     assert [splits(1, 8, 4224), splits(1, 8, 8320), splits(8, 8, 4224)] == [22, 26, 6]
     assert splits(1, 8, 4224, max_splits=None) == 66
-    old = dict(target_programs=264, max_programs=None, max_splits=None)  # the rule before 2026-12-01
+    old = dict(target_programs=264, max_programs=None, max_splits=None)  # the rule before the one-wave and 32-split caps
     assert [splits(1, 8, 4224, **old), splits(8, 8, 1152, **old)] == [33, 3]
     assert splits(1, 8, 1152, num_splits=4) == 4
 
@@ -314,7 +313,7 @@ def test_bad_shapes_raise():
     short = _inputs(TEST_ATTENTION["tiny_mha_b2_s65"])  # S = 65: a stack is never padded (copied)
     with pytest.raises(ValueError, match="multiple of block_k"):
         da.decode_attention_sync(short[0], short[1][None], short[2][None], short[3], layer=0, interpret=True)
-    rows = da._to_rows(q, k.shape[2])  # [B, K, R, H]
+    rows = to_rows(q, k.shape[2])  # [B, K, R, H]
     with pytest.raises(ValueError, match="stacked caches"):  # the rows form reads stacks only
         da.decode_attention_sync_rows(rows, k, v, lengths, group=1, layer=0, interpret=True)
     with pytest.raises(ValueError, match="group"):
@@ -325,8 +324,8 @@ def test_poison_shows_unwritten_outputs():
     """The poison mechanism itself: a kernel that writes nothing leaves every partial NaN."""
     shape = TEST_ATTENTION["tiny_mha_b1_s128"]
     q, k, v, lengths = _inputs(shape)
-    q_rows = da._to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
-    acc, l = da._attention_call(
+    q_rows = to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
+    acc, l = attention_call(
         lambda *refs, **kw: None,
         (lengths, lengths),
         q_rows,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.model import apply_rope, rope_cos_sin
-from kernels.decode_attention_kernels import _to_rows
+from kernels.decode_attention.layout import to_rows
 from kernels.flat_gemm_stream import StreamBlocks, combine, schedule
 from kernels.qkv_rope import fits, qkv_rope_write, qkv_rope_write_reference
 
@@ -51,7 +51,7 @@ def _inputs(batch, heads, kv_heads, head_dim, tile_n, layers, cache_len, seed=0,
 
 def test_reference_is_the_models_math():
     """The reference against the ops the model runs: `flat_gemm_stream.combine` of the partials, the
-    bias add, `model.apply_rope`, `_to_rows` and one `dynamic_update_slice` per sequence."""
+    bias add, `model.apply_rope`, `to_rows` and one `dynamic_update_slice` per sequence."""
     batch, heads, kv_heads, head_dim, tile_n, layers, cache_len = 2, 4, 2, 16, 8, 2, 16
     parts, _, cos, sin, positions, k_stack, v_stack, biases = _inputs(
         batch, heads, kv_heads, head_dim, tile_n, layers, cache_len
@@ -73,7 +73,7 @@ def test_reference_is_the_models_math():
     got = qkv_rope_write_reference(
         parts, sched.written(), cos, sin, positions, k_stack, v_stack, 1, biases, heads=heads, tile_n=tile_n
     )
-    for a, b in zip(got, (_to_rows(q, kv_heads), want_k, want_v)):
+    for a, b in zip(got, (to_rows(q, kv_heads), want_k, want_v)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

@@ -21,8 +21,13 @@ of two >= 16.
 What runs where: both kernels are `pl.pallas_call` kernels. On the GPU they lower through
 Pallas-Triton, which jax 0.11 deprecates; a Mosaic GPU port (as kernels/flat_gemm.py has) is open
 debt. On the CPU the same kernel bodies run with `interpret=True`; that is what CI tests.
-Measured on an H200 (benchmarks/KERNELS_RESULTS.md): the second launch of the fallback costs
-10-15 µs per call even when no row is flagged; without it the async kernel ties the sync one.
+On an H200 the fallback's second launch costs more per call than the unified max saves, even when no
+row is flagged; without it the async kernel ties the sync one (benchmarks/KERNELS_RESULTS.md), so
+the dispatch table picks the synchronized kernel there (kernels/tables/h200.json).
+
+This file holds the two kernel bodies, their pallas_call wrapper over the grid (B, K, splits), the
+jitted ops and the jnp reference; the tunables and row layout are in layout.py, the split combine
+in combine.py.
 """
 
 from __future__ import annotations
@@ -35,21 +40,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-# The kernel bodies and the pallas_call wrapper live in decode_attention_kernels; BlockSizes (and the
-# private _to_rows, _attention_call that tests use) are re-exported from here.
-from kernels.decode_attention_kernels import (
-    BlockSizes,
-    _async_kernel,
-    _attention_call,
-    _from_rows,
-    _pad_cache,
-    _sync_kernel,
-    _sync_partials,
-    _to_rows,
-    combine_rows,
-    query_rows,  # noqa: F401 (re-exported: the looped decode's hooks lay q out the same way)
-)
+from kernels.decode_attention.combine import combine_partials, combine_rows
+from kernels.decode_attention.layout import BlockSizes, from_rows, pad_cache, split_layout, to_rows
+
+_NEG = -1e30  # finite "minus infinity" for the synchronized kernel's running max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +62,212 @@ class SoftmaxWindow:
 class AsyncInfo(NamedTuple):
     recomputed: jax.Array  # [B, T, N] bool: row left the window and came from the synchronized kernel
     lse: jax.Array  # [B, T, N] f32: log Σ e^{x} of each row (for calibrating φ)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel bodies
+
+
+def _row_limits(length, *, rows: int, group: int, tokens: int):
+    """Exclusive end position of each row's visible cache: causal over the T new tokens."""
+    t = jnp.minimum(jnp.arange(rows, dtype=jnp.int32) // group, tokens - 1)  # [R]
+    return length - (tokens - 1 - t)  # [R]
+
+
+def _num_blocks(length, split_start, split_len: int, block_k: int):
+    n = (length - split_start + block_k - 1) // block_k
+    return jnp.clip(n, 0, split_len // block_k)
+
+
+def _split_loader(row_ref, split_len: int):
+    """load(ref, start, size) -> rows [size, H] of this program's split of the cache.
+
+    Without `row_ref` the k/v refs are the split's own block [S/splits, H] (cut by the BlockSpec).
+    With it they are the whole stacked cache [L·B, S, K, H], read in place: `row_ref` holds this
+    sequence's row of the stack (layer·B + b), and the kv head and split come from the program ids.
+    """
+    if row_ref is None:
+        return lambda ref, start, size: ref[pl.ds(start, size), :]
+    row, head, base = row_ref[()], pl.program_id(1), pl.program_id(2) * split_len
+    return lambda ref, start, size: ref[row, pl.ds(base + start, size), head, :]
+
+
+def _block(q, load, k_ref, v_ref, i, split_start, row_end, *, block_k: int, sm_scale: float):
+    """Block i of a split: scores s [R, bk] (f32), the visibility mask [R, bk], and v [bk, H]."""
+    pos = split_start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [bk]
+    k = load(k_ref, i * block_k, block_k)  # [bk, H]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [R, bk]
+    v = load(v_ref, i * block_k, block_k)  # [bk, H]
+    return s, pos[None, :] < row_end[:, None], v
+
+
+def async_kernel(
+    *refs, sm_scale: float, block_k: int, group: int, tokens: int, split_len: int, stacked: bool, length_offset: int
+):
+    """refs: [row_ref] (stacked only), then
+    inputs  len_ref [] int32 (the length less `length_offset`), phi_ref [] f32 (the unified max
+            value φ), q_ref [R, H],
+            k_ref, v_ref ([S/splits, H], or the whole stack [L·B, S, K, H] when stacked);
+    outputs acc_ref [R, H] f32 (Σ e^{x-φ}·v over this split), l_ref [R] f32 (Σ e^{x-φ})."""
+    row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+    len_ref, phi_ref, q_ref, k_ref, v_ref, acc_ref, l_ref = refs
+    load = _split_loader(row_ref, split_len)
+    rows, head_dim = q_ref.shape
+    split_start = pl.program_id(2) * split_len
+    length, phi = len_ref[()] + length_offset, phi_ref[()]
+    row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
+    q = q_ref[...]  # [R, H]
+
+    def body(i, carry):
+        acc, l = carry  # [R, H], [R]
+        s, mask, v = _block(q, load, k_ref, v_ref, i, split_start, row_end, block_k=block_k, sm_scale=sm_scale)
+        p = jnp.where(mask, jnp.exp(s - phi), 0.0)  # [R, bk]
+        acc = acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, l + p.sum(axis=1)
+
+    n = _num_blocks(length, split_start, split_len, block_k)
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.zeros((rows,), jnp.float32))
+    acc, l = lax.fori_loop(0, n, body, init)
+    acc_ref[...] = acc
+    l_ref[...] = l
+
+
+def sync_kernel(
+    *refs,
+    sm_scale: float,
+    block_k: int,
+    group: int,
+    tokens: int,
+    split_len: int,
+    stacked: bool,
+    length_offset: int,
+    gated: bool,
+):
+    """refs: [row_ref] (stacked only), then
+    inputs  len_ref [] int32 (as in `async_kernel`), active_ref [] int32 (only when `gated`: 0 skips
+            the program, for rows needing no recompute), q_ref [R, H], k_ref, v_ref (as there);
+    outputs acc_ref [R, H] f32 (Σ e^{x-m}·v), l_ref [R] f32 (Σ e^{x-m}), m_ref [R] f32 (running max)."""
+    row_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+    len_ref, refs = refs[0], refs[1:]
+    active_ref, refs = (refs[0], refs[1:]) if gated else (None, refs)
+    q_ref, k_ref, v_ref, acc_ref, l_ref, m_ref = refs
+    load = _split_loader(row_ref, split_len)
+    rows, head_dim = q_ref.shape
+    split_start = pl.program_id(2) * split_len
+    length = len_ref[()] + length_offset
+    row_end = _row_limits(length, rows=rows, group=group, tokens=tokens)  # [R]
+    q = q_ref[...]  # [R, H]
+
+    def body(i, carry):
+        acc, l, m = carry  # [R, H], [R], [R]
+        s, mask, v = _block(q, load, k_ref, v_ref, i, split_start, row_end, block_k=block_k, sm_scale=sm_scale)
+        s = jnp.where(mask, s, _NEG)
+        m_next = jnp.maximum(m, s.max(axis=1))  # the synchronization FlashDecoding++ removes
+        correction = jnp.exp(m - m_next)  # [R]
+        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [R, bk]
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return correction[:, None] * acc + pv, correction * l + p.sum(axis=1), m_next
+
+    n = _num_blocks(length, split_start, split_len, block_k)
+    if gated:
+        n = jnp.where(active_ref[()] != 0, n, 0)
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.full((rows,), _NEG, jnp.float32),
+    )
+    acc, l, m = lax.fori_loop(0, n, body, init)
+    acc_ref[...] = acc
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrapper
+
+
+def attention_call(
+    kernel,
+    scalars,
+    q,
+    k,
+    v,
+    layer,
+    *,
+    num_out: int,
+    sm_scale,
+    group,
+    tokens,
+    length_offset,
+    cfg,
+    interpret,
+    poison,
+    **kernel_kw,
+):
+    """Runs `kernel` over the grid (B, K, splits); returns the per-split partial outputs.
+
+    k, v come padded by `pad_cache`: [B, S_pad, K, H], or stacks [L, B, S, K, H] read at row
+    `layer` in place (the kernel gets the whole stack and indexes it; no BlockSpec cuts it).
+    poison=True hands the kernel NaN-filled output buffers (aliased inputs), so a partial the kernel
+    fails to write shows up as NaN.
+    """
+    batch, kv_heads, rows, head_dim = q.shape  # [B, K, R, H]
+    cache_len = k.shape[-3]
+    splits, _ = split_layout(batch, kv_heads, cache_len, cfg)
+    split_len = cache_len // splits
+    per_seq = pl.BlockSpec((None,), lambda b, h, s: (b,))  # [B] -> []
+    per_head = pl.BlockSpec((None, None), lambda b, h, s: (b, h))  # [B, K] -> []
+    stacked = layer is not None
+    if stacked:
+        k, v = (x.reshape(-1, *x.shape[2:]) for x in (k, v))  # [L·B, S, K, H]: a free reshape
+        kv_rows = jnp.asarray(layer, jnp.int32) * batch + jnp.arange(batch, dtype=jnp.int32)  # [B]
+        scalars = (kv_rows, *scalars)
+        kv_spec = pl.BlockSpec()  # the whole stack
+    else:
+        kv_spec = pl.BlockSpec((None, split_len, None, head_dim), lambda b, h, s: (b, s, h, 0))
+    in_specs = [per_seq if x.ndim == 1 else per_head for x in scalars] + [
+        pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+        kv_spec,
+        kv_spec,
+    ]
+    out_shape = [jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0))]
+    for _ in range(num_out - 1):
+        out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)))
+    inputs = [*scalars, q, k, v]
+    aliases = {}
+    body = functools.partial(
+        kernel,
+        sm_scale=sm_scale,
+        block_k=cfg.block_k,
+        group=group,
+        tokens=tokens,
+        split_len=split_len,
+        stacked=stacked,
+        length_offset=length_offset,
+        **kernel_kw,
+    )
+    n_in = len(inputs)
+    if poison:
+        inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape[:num_out]]
+        in_specs += out_specs[:num_out]
+        aliases.update({n_in + i: i for i in range(num_out)})
+        unpoisoned = body
+        body = lambda *refs: unpoisoned(*refs[:n_in], *refs[n_in + num_out :])  # drop aliased inputs
+    return pl.pallas_call(
+        body,
+        out_shape=out_shape,
+        grid=(batch, kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        input_output_aliases=aliases,
+        compiler_params=None
+        if interpret
+        else pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=kernel.__name__,
+    )(*inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +295,7 @@ def _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison, 
     _, tokens, heads, head_dim = q.shape
     kv_heads = k.shape[-2]
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    k, v = _pad_cache(k, v, block_sizes, layer is not None)  # [B, S_pad, K, H]
+    k, v = pad_cache(k, v, block_sizes, layer is not None)  # [B, S_pad, K, H]
     kw = dict(
         sm_scale=sm_scale,
         group=heads // kv_heads,
@@ -101,7 +305,15 @@ def _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison, 
         poison=poison,
         length_offset=length_offset,
     )
-    return _to_rows(q, kv_heads), k, v, lengths.astype(jnp.int32), kw
+    return to_rows(q, kv_heads), k, v, lengths.astype(jnp.int32), kw
+
+
+def _sync_partials(q_rows, k, v, layer, lengths, active, **kw):
+    """The synchronized kernel's partials combined in jnp: o [B, K, R, H] and log Σ e^x [B, K, R].
+    `active` [B, K] gates the programs (the recompute fallback), or None: all run, with no gate."""
+    scalars = (lengths,) if active is None else (lengths, active)
+    acc, l, m = attention_call(sync_kernel, scalars, q_rows, k, v, layer, num_out=3, gated=active is not None, **kw)
+    return combine_partials(acc, l, m)
 
 
 @functools.partial(
@@ -144,7 +356,7 @@ def decode_attention_async(
     batch, tokens = q.shape[:2]
     group = kw["group"]
     phi_b = jnp.broadcast_to(jnp.asarray(phi, jnp.float32), (batch,))  # [B]
-    acc, l = _attention_call(_async_kernel, (lengths, phi_b), q_rows, k, v, layer, num_out=2, **kw)
+    acc, l = attention_call(async_kernel, (lengths, phi_b), q_rows, k, v, layer, num_out=2, **kw)
     l = l.sum(axis=2)  # [B, K, R]: the one final reduction
     o = acc.sum(axis=2) / l[..., None]  # [B, K, R, H]
     log_l = jnp.log(l)  # [B, K, R], relative to φ
@@ -156,8 +368,8 @@ def decode_attention_async(
         o_sync, lse_sync = _sync_partials(q_rows, k, v, layer, lengths, active, **kw)
         o = jnp.where(safe[..., None], o, o_sync)
         lse = jnp.where(safe, lse, lse_sync)
-    info = AsyncInfo(recomputed=_from_rows(~safe, tokens, group), lse=_from_rows(lse, tokens, group))
-    return _from_rows(o, tokens, group).astype(q.dtype), info
+    info = AsyncInfo(recomputed=from_rows(~safe, tokens, group), lse=from_rows(lse, tokens, group))
+    return from_rows(o, tokens, group).astype(q.dtype), info
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "length_offset", "interpret", "poison"))
@@ -190,7 +402,7 @@ def decode_attention_sync(
     )
     # Every (sequence, kv head) program runs, so the kernel takes no gate input: even a constant
     # array of ones costs a broadcast kernel per call (per layer in a looped decode) on the GPU.
-    acc, l, m = _attention_call(_sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3, gated=False, **kw)
+    acc, l, m = attention_call(sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3, gated=False, **kw)
     return combine_rows(
         acc,
         l,
@@ -208,13 +420,13 @@ def decode_attention_sync(
     jax.jit, static_argnames=("group", "sm_scale", "block_sizes", "length_offset", "interpret", "poison")
 )
 def decode_attention_sync_rows(
-    q_rows,
-    k,
-    v,
-    lengths,
+    q_rows: jax.Array,  # [B, K, R, H]
+    k: jax.Array,  # [L, B, S, K, H]
+    v: jax.Array,  # [L, B, S, K, H]
+    lengths: jax.Array,  # [B] int32
     *,
     group: int,
-    layer,
+    layer: jax.Array | int,
     sm_scale: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     length_offset: int = 0,
@@ -233,10 +445,10 @@ def decode_attention_sync_rows(
         )
     if not 0 < group <= rows or lengths.shape != (batch,):
         raise ValueError(f"group must be in 1..{rows} and lengths [B] = [{batch}]; got {group}, {list(lengths.shape)}")
-    k, v = _pad_cache(k, v, block_sizes, stacked=True)
+    k, v = pad_cache(k, v, block_sizes, stacked=True)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    acc, l, m = _attention_call(
-        _sync_kernel,
+    acc, l, m = attention_call(
+        sync_kernel,
         (lengths.astype(jnp.int32),),
         q_rows,
         k,
