@@ -25,10 +25,10 @@ import numpy as np
 from gpu_trace import gpu_pids, traced_events, track_names
 from jax import lax
 
-from jaxdecode import looping_eval
 from jaxdecode.bench import time_engine
 from jaxdecode.config import get_preset
 from jaxdecode.decode import Engine
+from jaxdecode.looping import rewrite
 from jaxdecode.model import init_random
 
 OUT = os.environ.get("OUT", ".")
@@ -44,9 +44,9 @@ def log(*a):
 
 
 def use_unroll(unroll: int):
-    """Make the looping pass build its scans with `unroll` (a patched `lax` namespace in looping_eval)."""
-    looping_eval.lax = types.SimpleNamespace(**{k: getattr(lax, k) for k in dir(lax) if not k.startswith("__")})
-    looping_eval.lax.scan = functools.partial(lax.scan, unroll=unroll)
+    """Make the looping pass build its scans with `unroll` (a patched `lax` namespace in looping.rewrite)."""
+    rewrite.lax = types.SimpleNamespace(**{k: getattr(lax, k) for k in dir(lax) if not k.startswith("__")})
+    rewrite.lax.scan = functools.partial(lax.scan, unroll=unroll)
 
 
 def while_bodies(hlo: str) -> list[dict]:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxdecode.decode import Engine
-from jaxdecode.inplace import StackedRef
 from jaxdecode.looped_model import kernel_qkv_attend
+from jaxdecode.looping import StackedRef
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm_stream import StreamBlocks
 from tests.test_inplace_loop import (

@@ -10,7 +10,7 @@ from flax import nnx
 from jax import lax
 
 from jaxdecode.looping import INDEX_MODES, Packed, kernel_loop, layer
-from jaxdecode.looping_find import StructuralKeys
+from jaxdecode.looping.find import StructuralKeys
 
 D, F, S, L = 8, 16, 6, 4  # model width, ffn width, cache length, layers
 RTOL = ATOL = 1e-6  # f32 on CPU: the scan runs the same ops as the unrolled calls

@@ -1,10 +1,13 @@
-"""Evaluation half of `jaxdecode.looping`: the interpreter that re-traces a jaxpr with each run of
-calls replaced by one `lax.scan`, and the `Packed` pytree for pre-stacked arguments."""
+"""The rewrite: `Interpreter` re-traces an analysed jaxpr with each run of calls replaced by one `lax.scan`.
+
+Nothing is bound with hand-built params: every equation is re-bound with its own primitive and params,
+each sub-jaxpr replaced by its re-traced, same-typed version. In-place runs (`stacked_dot`) evaluate
+the layer with `jaxdecode.looping.inplace.RefEvaluator` inside the scan body.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,11 +17,11 @@ from jax import lax
 from jax._src import source_info_util  # private: public jax cannot set an equation's name stack
 from jax.extend import core as jcore
 
-from jaxdecode.inplace import RefEvaluator, StackedCall, StackedDot, StackedRef, output_aliases
-from jaxdecode.looping_find import Run, StructuralKeys, callee_name, callee_of, find_runs, sub_jaxprs
-from jaxdecode.looping_report import SkipReport
+from jaxdecode.looping.find import Analysis, Run
+from jaxdecode.looping.inplace import RefEvaluator, StackedCall, StackedDot, StackedRef, output_aliases
+from jaxdecode.looping.pack import LazyRow, as_stack, materialize
 
-# --- JAX-version shims: the private name-stack API and the bind-params convention. -------------
+# --- binding an equation: the private name-stack API and the bind-params convention. -----------
 
 
 def _eqn_context(eqn: jcore.JaxprEqn, name_stack=None):
@@ -35,88 +38,19 @@ def _eqn_context(eqn: jcore.JaxprEqn, name_stack=None):
 
 
 def _bind(eqn: jcore.JaxprEqn, params: dict[str, Any], args: Sequence[Any]) -> list[Any]:
-    bind_params = eqn.primitive.get_bind_params(params)
-    if isinstance(bind_params, tuple):  # jax < 0.5 returned (subfuns, params)
-        subfuns, bind_params = bind_params
-        out = eqn.primitive.bind(*subfuns, *args, **bind_params)
-    else:
-        out = eqn.primitive.bind(*args, **bind_params)
+    out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
 # ------------------------------------------------------------------------------------------------
 
 
-class _Slice:
-    """Row `index` of a stacked `[L, ...]` array, kept lazy so a run can take the whole stack."""
-
-    __slots__ = ("stack", "index", "name_stack")
-
-    def __init__(self, stack, index: int, name_stack=None):
-        self.stack, self.index, self.name_stack = stack, index, name_stack
-
-
-def _materialize(value):
-    """A value itself; for a `_Slice`, its row, sliced under the scope of the run that made it."""
-    if not isinstance(value, _Slice):
-        return value
-    if value.name_stack is None:
-        return lax.index_in_dim(value.stack, value.index, keepdims=False)
-    name_stack = source_info_util.current_name_stack() + value.name_stack
-    with source_info_util.user_context(None, name_stack=name_stack):
-        return lax.index_in_dim(value.stack, value.index, keepdims=False)
-
-
-def _as_stack(values: list[Any]):
-    """The `[n, ...]` stack of `values`; free when they are rows 0..n-1 of one stack."""
-    first = values[0]
-    if (
-        isinstance(first, _Slice)
-        and first.stack.shape[0] == len(values)
-        and all(isinstance(v, _Slice) and v.stack is first.stack and v.index == k for k, v in enumerate(values))
-    ):
-        return first.stack
-    return jnp.stack([_materialize(v) for v in values])
-
-
-class _Analysis:
-    """Runs and schedules for a jaxpr and all its sub-jaxprs, each analysed once."""
-
-    def __init__(self):
-        self.keys = StructuralKeys()
-        self.levels: dict[int, tuple[jcore.Jaxpr, list, list[Run], str]] = {}
-        self.skips: list[SkipReport] = []
-        self._has_runs: dict[int, bool] = {}
-
-    def analyze(self, jaxpr: jcore.Jaxpr, where: str) -> None:
-        if id(jaxpr) in self.levels:
-            return
-        schedule, runs, skips = find_runs(jaxpr, self.keys, where)
-        self.levels[id(jaxpr)] = (jaxpr, schedule, runs, where)
-        self.skips += skips
-        for eqn in jaxpr.eqns:
-            label = f"{eqn.primitive.name}({callee_name(eqn)})" if callee_of(eqn) else eqn.primitive.name
-            for key, sub in sub_jaxprs(eqn.params):
-                self.analyze(sub, f"{where}/{label}" + ("" if key == "jaxpr" else f".{key}"))
-
-    def runs(self) -> list[tuple[Run, str]]:
-        return [(run, where) for _, _, runs, where in self.levels.values() for run in runs]
-
-    def has_runs(self, jaxpr: jcore.Jaxpr) -> bool:
-        if id(jaxpr) not in self._has_runs:
-            _, schedule, runs, _ = self.levels[id(jaxpr)]
-            self._has_runs[id(jaxpr)] = bool(runs) or any(
-                self.has_runs(sub) for eqn in schedule if not isinstance(eqn, Run) for _, sub in sub_jaxprs(eqn.params)
-            )
-        return self._has_runs[id(jaxpr)]
-
-
-class _Interpreter:
+class Interpreter:
     """Evaluates analysed jaxprs, turning each run into one `lax.scan` (Equinox-style env loop)."""
 
     def __init__(
         self,
-        analysis: _Analysis,
+        analysis: Analysis,
         index_mode: str,
         stacked_dot: StackedDot | None = None,
         stacked_calls: Mapping[str, StackedCall] | None = None,
@@ -126,7 +60,7 @@ class _Interpreter:
         self._transformed: dict[int, jcore.Jaxpr] = {}
 
     def eval(self, jaxpr: jcore.Jaxpr, args: Sequence[Any]) -> list[Any]:
-        """Outputs of `jaxpr` at `args` (values may be lazy `_Slice`s, in and out)."""
+        """Outputs of `jaxpr` at `args` (values may be lazy `LazyRow`s, in and out)."""
         env: dict[Any, Any] = dict(zip(jaxpr.all_invars, [*jaxpr.consts, *args]))
 
         def read(atom):
@@ -136,7 +70,7 @@ class _Interpreter:
             if isinstance(item, Run):
                 env.update(self._run(item, read))
             else:
-                outs = self._bind_eqn(item, [_materialize(read(a)) for a in item.invars])
+                outs = self._bind_eqn(item, [materialize(read(a)) for a in item.invars])
                 env.update(zip(item.outvars, outs))
         return [read(a) for a in jaxpr.outvars]
 
@@ -147,7 +81,7 @@ class _Interpreter:
         if id(jaxpr) not in self._transformed:
 
             def fun(*args):
-                return [_materialize(x) for x in self.eval(jaxpr, args)]
+                return [materialize(x) for x in self.eval(jaxpr, args)]
 
             fun.__name__ = getattr(jaxpr.debug_info, "func_name", None) or "looped"
             specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in jaxpr.in_avals]
@@ -175,9 +109,9 @@ class _Interpreter:
         carry_pos = list(run.carry)
         params = self.params(first.params)
         with _eqn_context(first, run.name_stack):  # the stacking, the index and the scan
-            carry0 = [_materialize(read(first.invars[p])) for p in carry_pos]
-            shared = {p: _materialize(read(first.invars[p])) for p in run.shared}
-            stacks = [_as_stack([read(eqn.invars[p]) for eqn in run.calls]) for p in run.stacked]
+            carry0 = [materialize(read(first.invars[p])) for p in carry_pos]
+            shared = {p: materialize(read(first.invars[p])) for p in run.shared}
+            stacks = [as_stack([read(eqn.invars[p]) for eqn in run.calls]) for p in run.stacked]
             index = jnp.arange(n, dtype=jnp.int32)  # the layer index
         if self.stacked_dot is not None:
             return self._run_in_place(run, params, carry0, shared, stacks, index)
@@ -210,13 +144,13 @@ class _Interpreter:
     def _written(self, run: Run, carry: list[Any], ys: dict[int, Any]) -> dict[Any, Any]:
         written: dict[Any, Any] = {}
         for k, eqn in enumerate(run.calls):
-            written.update((eqn.outvars[j], _Slice(y, k, run.name_stack)) for j, y in ys.items())
+            written.update((eqn.outvars[j], LazyRow(y, k, run.name_stack)) for j, y in ys.items())
         last = run.calls[-1]
         written.update((last.outvars[run.carry[p]], c) for p, c in zip(run.carry, carry))
         return written
 
     def _run_in_place(self, run: Run, params, carry0, shared, stacks, index) -> dict[Any, Any]:
-        """The scan of `_run` whose body reads stacked inputs in place (see `jaxdecode.inplace`).
+        """The scan of `_run` whose body reads stacked inputs in place (see `jaxdecode.looping.inplace`).
 
         The layer's jaxpr is evaluated with each stacked input a `StackedRef`; stacks that alias a
         per-call output (a KV cache) travel in the scan carry and are updated at row i in place.
@@ -237,7 +171,7 @@ class _Interpreter:
         def body(carry, _):
             # The layer index rides in the carry rather than in xs: a scanned `arange` becomes a
             # dynamic slice per step, which XLA on the GPU runs as an async fusion on a second stream
-            # (a cross-stream wait of ~4 µs per layer before the first kernel that reads it).
+            # (a cross-stream wait per layer before the first kernel that reads it).
             i, carry = carry[0], carry[1:]
             carried, alias_stacks = carry[:n_carry], dict(zip(alias_ps, carry[n_carry:]))
             evaluator.start(alias_stacks, i)
@@ -260,51 +194,3 @@ class _Interpreter:
         by_output = dict(zip([j for j in run.ys if j not in aliases.values()], ys))
         by_output.update((aliases[p], s) for p, s in zip(alias_ps, carry[n_carry:]))
         return self._written(run, carry[:n_carry], by_output)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackLayout:
-    """How one argument's leaves are packed: `groups[g]` are the leaf indices stacked into stack g."""
-
-    treedef: Any
-    groups: tuple[tuple[int, ...], ...]
-    rest: tuple[int, ...]  # leaf indices passed through unchanged
-
-
-@jax.tree_util.register_pytree_node_class
-class Packed:
-    """An argument (or output) with its per-layer leaves stacked: `stacks[g]` is `[L, ...]`."""
-
-    def __init__(self, stacks: tuple, rest: tuple, layout: PackLayout):
-        self.stacks, self.rest, self.layout = tuple(stacks), tuple(rest), layout
-
-    def tree_flatten(self):
-        return (self.stacks, self.rest), self.layout
-
-    @classmethod
-    def tree_unflatten(cls, layout, children):
-        return cls(*children, layout)
-
-    @classmethod
-    def pack(cls, tree, layout: PackLayout, stack=jnp.stack) -> Packed:
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if treedef != layout.treedef:
-            raise ValueError(f"cannot pack: tree structure {treedef} differs from the plan's {layout.treedef}")
-        return cls([stack([leaves[i] for i in g]) for g in layout.groups], [leaves[i] for i in layout.rest], layout)
-
-    def leaves(self, lazy: bool = False) -> list[Any]:
-        out: list[Any] = [None] * (sum(map(len, self.layout.groups)) + len(self.layout.rest))
-        for stack, group in zip(self.stacks, self.layout.groups):
-            for k, i in enumerate(group):
-                out[i] = _Slice(stack, k) if lazy else stack[k]
-        for value, i in zip(self.rest, self.layout.rest):
-            out[i] = value
-        return out
-
-    def unpack(self):
-        """The original pytree (each stack split into its per-layer leaves)."""
-        return jax.tree_util.tree_unflatten(self.layout.treedef, self.leaves())
-
-
-def _stack_spec(specs):
-    return jax.ShapeDtypeStruct((len(specs), *specs[0].shape), specs[0].dtype)

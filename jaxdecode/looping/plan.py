@@ -1,66 +1,9 @@
-"""Kernel looping as a jaxpr pass: runs of consecutive calls of one layer become one `lax.scan`.
+"""`kernel_loop` and `LoopPlan`: analyse a function once, then pack its arguments and run it looped.
 
-Kernel looping (arXiv 2410.23668) turns L calls of the same decoder layer into one loop, so the
-runtime pays one synchronization for the loop instead of one per layer. Here it is a pass over
-the jaxpr of a function:
-
-    plan = kernel_loop(step, params, cache, tokens, packed_outputs={1: 1})
-    print(plan.report)                         # what was looped, and why anything was not
-    packed = plan.pack(params, cache, tokens)  # once: per-layer leaves stacked to [L, ...]
-    looped = jax.jit(plan.looped)
-    logits, cache_p = looped(*packed)          # cache_p is Packed, laid out like packed[1]
-    logits, cache_p = looped(packed[0], cache_p, next_tokens)  # the cache stays packed
-    logits, cache = plan.unpack_outputs((logits, cache_p))     # original structure back
-
-**A layer must be a call.** The pass sees only call boundaries: a layer is a `jax.jit` function,
-an `nnx.jit` method, or `jaxdecode.looping.layer(fn)` (a plain `jax.jit` that states the intent),
-called once per layer, e.g. `for l in range(L): x, kv[l] = layer_step(graphdef, state[l], x, kv[l],
-pos)`. Calls of one jit function share their callee jaxpr; separately traced callees are matched by
-a structural key (primitives, params, avals, wiring; see `looping_find.StructuralKeys`). A layer
-body inlined in the caller (a plain Python method) has no boundary and is never looped, even under
-`named_scope`s like `layers_0`, `layers_1`. Do not jit a layer with `inline=True` (or
-`jax.Inline.JAX_EARLY`): that removes the call. Jitted helpers defined inside JAX itself
-(`lax.dynamic_update_index_in_dim`, `jnp.stack`, ...) are not layers; they count as ops.
-
-**Rules.** A run is >= 2 calls of equal callees in one jaxpr, in order, where
-- each call reads at least one output of the previous call (the carry), at the same input
-  positions every time, and no output of any earlier call (no skip connections);
-- every other input is the same value for every call (shared) or one value per call of the same
-  type (stacked);
-- the call has no effects (e.g. `jax.debug.callback`), and no effectful op sits between calls;
-- an op between two calls is allowed if it reads nothing the run computed (it is hoisted before
-  the scan, e.g. slicing the next layer's cache) or if no later call reads its result (it is sunk
-  after the scan, e.g. summing per-layer outputs). An op on the carried path (`x = 2 * x` between
-  layers) or a call of another layer callee ends the run.
-Runs are found at every level: inside jit, custom_jvp/vjp, cond branches, scan and while bodies.
-Structural keys ignore the derivative rules of custom_jvp/custom_vjp calls (every trace re-creates
-them), so the derivative of a looped run uses its first call's rule; values are unaffected.
-
-**Rewrite.** The function is re-traced by an interpreter (nothing is bound with hand-built
-params; an equation with sub-jaxprs is re-bound with its own params, each sub-jaxpr replaced by
-its re-traced, same-typed version). At a run it calls `lax.scan(body, carry, xs, length=L)`: the
-carry holds the carried inputs, `xs` the layer index `arange(L)` and the stacked inputs; the body
-re-binds the original call with its own params (the layer stays a `jit` call inside the body). Outputs needed per
-layer come out stacked `[L, ...]`. With `index_mode="whole"` the stacked inputs are passed whole
-(as scan constants) and the body takes row `i` with `lax.dynamic_index_in_dim`. With a
-`stacked_dot` hook as well, the body reads them in place instead: the layer's jaxpr is evaluated
-with lazy rows, its `x @ W` dots go to the hook (e.g. a kernel reading `[L, K, N]` given the layer
-index), and stacked inputs that come back updated (a KV cache) ride in the scan carry, written at
-row `i` (`jaxdecode.inplace`).
-
-**Packing.** Stacked inputs that are leaves of one argument of the function (per-layer weights,
-per-layer caches) are stacked once, by `plan.pack`, into a `Packed` pytree, and the scan reads the
-stacks directly, so the looped step never copies weights per call. Stacked inputs computed inside
-the function, or read by a run nested in a jit/cond/scan of the function, are stacked inside it
-(the report says so; that is a copy per call of `looped`). So give the function per-layer leaves
-(a list of per-layer dicts), not an `[L, ...]` array it slices per layer. A jit wrapping the whole
-function is looked through. `packed_outputs={out_index: argnum}` returns an output subtree (e.g.
-the updated cache) packed like argument `argnum`, so state can stay packed across steps; the
-report notes whether each of its stacks is the scan's own output (no copy).
-
-**Name scopes.** Equations keep their `source_info.name_stack`. The scan is emitted under the
-calls' common scope; per-call scopes `layers_0`, `layers_1`, ... collapse into one body scope
-`layers`. Idempotent: looping a looped function changes nothing (the body holds a single call).
+The plan ties the other modules together: `find.Analysis` finds the runs, the plan decides which
+per-layer leaves `pack` stacks into `Packed` arguments, `rewrite.Interpreter` evaluates the looped
+function, and `report` describes the result. The rules are in the `jaxdecode.looping` docstring
+and docs/looping.md.
 """
 
 from __future__ import annotations
@@ -72,12 +15,11 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jaxdecode.inplace import StackedCall, StackedDot, StackedRef
-from jaxdecode.looping_eval import Packed, PackLayout, _Analysis, _as_stack, _Interpreter, _materialize, _stack_spec
-from jaxdecode.looping_find import Run, callee_of, side_effects
-from jaxdecode.looping_report import InputReport, LoopReport, RunReport, aval_str
-
-__all__ = ["INDEX_MODES", "LoopPlan", "Packed", "PackLayout", "StackedDot", "StackedRef", "kernel_loop", "layer"]
+from jaxdecode.looping.find import Analysis, Run, callee_of, side_effects
+from jaxdecode.looping.inplace import StackedCall, StackedDot
+from jaxdecode.looping.pack import Packed, PackLayout, as_stack, materialize, stack_spec
+from jaxdecode.looping.report import InputReport, LoopReport, RunReport, aval_str
+from jaxdecode.looping.rewrite import Interpreter
 
 INDEX_MODES = ("slice", "whole")
 
@@ -94,7 +36,7 @@ def _peel(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     while (
         len(jaxpr.eqns) == 1
         and not jaxpr.consts
-        and jaxpr.eqns[0].primitive.name in ("jit", "pjit")
+        and jaxpr.eqns[0].primitive.name == "jit"
         and callee_of(jaxpr.eqns[0]) is not None
         and not side_effects(jaxpr.eqns[0])
         and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
@@ -139,9 +81,9 @@ class LoopPlan:
         self.original_jaxpr = jaxpr
         self._out_shape = out_shape
         self._root = _peel(jaxpr)
-        self._analysis = _Analysis()
+        self._analysis = Analysis()
         self._analysis.analyze(self._root, getattr(fn, "__name__", "fn"))
-        self._interp = _Interpreter(self._analysis, index_mode, stacked_dot, stacked_calls)
+        self._interp = Interpreter(self._analysis, index_mode, stacked_dot, stacked_calls)
         self._specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self._root.in_avals]
         offsets = [0]
         for tree in self._arg_trees:
@@ -247,7 +189,7 @@ class LoopPlan:
             for i, t in enumerate(self._arg_trees)
         ]
         return tuple(
-            Packed.pack(a, self.layouts[i], _stack_spec) if i in self.layouts else a for i, a in enumerate(args)
+            Packed.pack(a, self.layouts[i], stack_spec) if i in self.layouts else a for i, a in enumerate(args)
         )
 
     # --- the looped function -----------------------------------------------------------------------
@@ -266,7 +208,7 @@ class LoopPlan:
         outs = self._interp.eval(self._root, flat)
         if not self.packed_outputs:
             return jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(self._out_shape), [_materialize(x) for x in outs]
+                jax.tree_util.tree_structure(self._out_shape), [materialize(x) for x in outs]
             )
         offsets, result = self._out_offsets(), []
         for o, shape in enumerate(self._out_shape):
@@ -274,14 +216,14 @@ class LoopPlan:
             argnum = self.packed_outputs.get(o)
             if argnum is None:
                 result.append(
-                    jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), [_materialize(x) for x in leaves])
+                    jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), [materialize(x) for x in leaves])
                 )
             else:
                 layout = self.layouts[argnum]
                 result.append(
                     Packed(
-                        [_as_stack([leaves[i] for i in g]) for g in layout.groups],
-                        [_materialize(leaves[i]) for i in layout.rest],
+                        [as_stack([leaves[i] for i in g]) for g in layout.groups],
+                        [materialize(leaves[i]) for i in layout.rest],
                         layout,
                     )
                 )
@@ -365,7 +307,7 @@ def kernel_loop(
       stacked_dot: with index_mode="whole", read stacked inputs in place: `x @ W` dots whose
         weight is stacked call `stacked_dot(x [M, K], stack [L, K, N], i, out_dtype)` (it may
         return None: then the dot runs on the row), and stacked inputs that an output updates (a
-        KV cache) travel in the scan carry, updated at row i (`jaxdecode.inplace`).
+        KV cache) travel in the scan carry, updated at row i (`jaxdecode.looping.inplace`).
       stacked_calls: with stacked_dot, {call name: hook}: a call of that name inside a looped
         layer goes to `hook(*args)` with its stacked arguments still unread (`StackedRef`s); the
         hook returns the call's outputs, or None to evaluate the call as written.

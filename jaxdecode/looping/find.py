@@ -1,9 +1,9 @@
-"""Finding runs of repeated layer calls in a jaxpr (analysis half of `jaxdecode.looping`).
+"""Finding runs of repeated layer calls in a jaxpr: structural keys, the chaining rules, `Analysis`.
 
 Nothing here traces or binds anything: it reads jaxprs and returns, per jaxpr, a *schedule* (the
-equations in evaluation order, with each run of calls replaced by one `Run`) plus reports. The
-contract and the rules are in the `jaxdecode.looping` docstring; the rules are implemented in
-`_Candidate`.
+equations in evaluation order, with each run of calls replaced by one `Run`) plus reports.
+`Analysis` does this for a jaxpr and every sub-jaxpr it holds. The contract and the rules are in
+the `jaxdecode.looping` docstring and docs/looping.md; the rules are implemented in `_Candidate`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxdecode.looping_report import RunReport, SkipReport, aval_str
+from jaxdecode.looping.report import RunReport, SkipReport, aval_str
 
-# Primitives that call a sub-jaxpr with their own operands, one to one (jit is "pjit" before 0.5).
-CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"})
+# Primitives that call a sub-jaxpr with their own operands, one to one.
+CALL_PRIMITIVES = frozenset({"jit", "closed_call", "core_call", "checkpoint", "remat"})
 # Primitives whose function-valued params (derivative rules) are re-created by every trace.
 _CUSTOM_RULE_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 _PLAIN_PARAM = (jcore.Jaxpr, int, float, str, tuple, type(None))
@@ -343,3 +343,35 @@ def find_runs(
         elif id(eqn) not in in_run:
             schedule.append(eqn)
     return schedule, runs, skips
+
+
+class Analysis:
+    """Runs and schedules for a jaxpr and all its sub-jaxprs, each analysed once."""
+
+    def __init__(self):
+        self.keys = StructuralKeys()
+        self.levels: dict[int, tuple[jcore.Jaxpr, list, list[Run], str]] = {}
+        self.skips: list[SkipReport] = []
+        self._has_runs: dict[int, bool] = {}
+
+    def analyze(self, jaxpr: jcore.Jaxpr, where: str) -> None:
+        if id(jaxpr) in self.levels:
+            return
+        schedule, runs, skips = find_runs(jaxpr, self.keys, where)
+        self.levels[id(jaxpr)] = (jaxpr, schedule, runs, where)
+        self.skips += skips
+        for eqn in jaxpr.eqns:
+            label = f"{eqn.primitive.name}({callee_name(eqn)})" if callee_of(eqn) else eqn.primitive.name
+            for key, sub in sub_jaxprs(eqn.params):
+                self.analyze(sub, f"{where}/{label}" + ("" if key == "jaxpr" else f".{key}"))
+
+    def runs(self) -> list[tuple[Run, str]]:
+        return [(run, where) for _, _, runs, where in self.levels.values() for run in runs]
+
+    def has_runs(self, jaxpr: jcore.Jaxpr) -> bool:
+        if id(jaxpr) not in self._has_runs:
+            _, schedule, runs, _ = self.levels[id(jaxpr)]
+            self._has_runs[id(jaxpr)] = bool(runs) or any(
+                self.has_runs(sub) for eqn in schedule if not isinstance(eqn, Run) for _, sub in sub_jaxprs(eqn.params)
+            )
+        return self._has_runs[id(jaxpr)]

@@ -1,4 +1,4 @@
-"""Reading stacked layer inputs in place inside a looped run (`kernel_loop(..., stacked_dot=fn)`).
+"""The in-place interpreter: a looped run's body reads its stacked inputs in place (`stacked_dot=fn`).
 
 In `index_mode="whole"` a scan body receives whole `[L, ...]` stacks and the layer index `i`. The
 plain body takes row `i` of every stack with `dynamic_index_in_dim` and calls the layer; on a GPU
@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxdecode.looping_find import callee_name, callee_of, side_effects
+from jaxdecode.looping.find import callee_name, callee_of, side_effects
 
 # stacked_dot(x [M, K], stack [L, K, N], index int32[], out_dtype) -> y [M, N] of out_dtype (or a `SplitSum`
 # of it), or None
@@ -112,8 +112,9 @@ def plain_contraction(eqn: jcore.JaxprEqn) -> bool:
 class RefEvaluator:
     """Evaluates one layer's jaxpr with some inputs given as `StackedRef`s (one per scan step).
 
-    `bind(eqn, args)` binds an equation with its own params (the looping interpreter's `_bind`
-    under the equation's context). `latest[origin]` is the newest version of each carried stack.
+    `bind(eqn, args)` binds an equation with its own params under the equation's context, and
+    `context(eqn)` re-enters that context (the rewrite interpreter supplies both). `latest[origin]`
+    is the newest version of each carried stack.
     """
 
     def __init__(
