@@ -4,14 +4,15 @@ the peers compute what our engine computes (HF eager gives the same greedy token
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from hf_reference import hf_model, state_dict_numpy
+from helpers import hf_model, state_dict_numpy
 
-from jaxdecode import bench_peers
-from jaxdecode.bench import cache_length, time_engine
+from jaxdecode.bench import cache_length, peers, time_engine
 from jaxdecode.cli import main
 from jaxdecode.config import PRESETS
 from jaxdecode.cost import decode_cost
@@ -112,7 +113,7 @@ def test_hf_copy_of_our_weights_is_exact(name):
     cfg = PRESETS[name]
     ref = hf_model(cfg, seed=3)
     ours = load_state_dict(init_random(cfg), state_dict_numpy(ref))
-    copy = bench_peers.build_hf(ours, device="cpu")
+    copy = peers.build_hf(ours, device="cpu")
     want, got = ref.state_dict(), copy.state_dict()
     assert want.keys() == got.keys()
     for k in want:
@@ -124,7 +125,7 @@ def test_hf_eager_decodes_our_greedy_tokens():
     with no prefix, and after a zero prefix of 20 cache rows (the bench's context)."""
     cfg = PRESETS["tiny-llama3"]
     model = init_random(cfg, seed=5)
-    hf = bench_peers.build_hf(model, device="cpu")
+    hf = peers.build_hf(model, device="cpu")
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
     steps = 6
     with torch.no_grad():
@@ -136,11 +137,11 @@ def test_hf_eager_decodes_our_greedy_tokens():
             eos_token_id=None,
             pad_token_id=0,
         )[:, prompts.shape[1] :].numpy()
-    loop = bench_peers.time_hf(hf, prompts, context=0, steps=steps, compiled=False).tokens
+    loop = peers.time_hf(hf, prompts, context=0, steps=steps, compiled=False).tokens
     np.testing.assert_array_equal(loop, generated)
     engine = Engine(model)
     np.testing.assert_array_equal(time_engine(engine, prompts, context=0, steps=steps).tokens, generated)
-    theirs = bench_peers.time_hf(hf, prompts, context=20, steps=steps, compiled=False).tokens
+    theirs = peers.time_hf(hf, prompts, context=20, steps=steps, compiled=False).tokens
     np.testing.assert_array_equal(time_engine(engine, prompts, context=20, steps=steps).tokens, theirs)
     assert not np.array_equal(theirs, generated)  # the prefix is attended to: it changes the tokens
 
@@ -190,3 +191,36 @@ def test_bad_suite_flags_exit_2(argv, match, capsys):
     assert main(["bench", "--dry-run", *argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and match in err, err
+
+
+_WITHOUT_TORCH = """
+import sys
+
+
+class Blocker:  # torch and transformers cannot be imported, as without the extra
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Blocker())
+from jaxdecode.cli import main
+
+common = ["bench", "--models", "tiny-gqa", "--batches", "1", "--contexts", "8", "--steps", "2", "--ceiling-gib", "0.01"]
+plain = main([*common, "--peers", "unrolled"])
+imported = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+print("RESULT", plain, main([*common, "--peers", "unrolled,hf_eager"]), imported)
+"""
+
+
+def test_suite_runs_without_torch_and_hf_peers_name_the_extra():
+    """torch and transformers are the extra `jaxdecode[peers]`: with neither importable, the suite with
+    the plain-JAX peers runs and imports neither; asking for an HF peer exits 2 with one line that
+    names the extra, before anything is measured."""
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "RESULT 0 2 []"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("jaxdecode: error:")]
+    assert len(errors) == 1 and "torch" in errors[0] and "pip install 'jaxdecode[peers]'" in errors[0], errors
+    assert proc.stderr.count("read ceiling") == 1  # the refused run measured nothing

@@ -1,6 +1,8 @@
-"""HF transformers peers for `jaxdecode.bench`: eager, and static cache + torch.compile.
+"""HF transformers peers for the `jaxdecode bench` suite: eager, and static cache + torch.compile.
 
-Imported lazily: torch and transformers are test and GPU dependencies, not the engine's.
+torch and transformers are the optional extra `jaxdecode[peers]` (and the test group), not the
+engine's dependencies: the suite imports this module only when a plan asks for an HF peer
+(`jaxdecode.bench.suite.load_peers`).
 
 The HF model is built from our model's weights (`build_hf`), so that a peer computes the same
 function as our engine and its greedy tokens can be compared with ours: on a GPU the bf16 arrays
@@ -8,29 +10,30 @@ go to torch through DLPack and are copied into the HF parameters ([in, out] beco
 The decode loop is HF's model forward called once per step, as `generate` does it, minus the
 per-token host sync of `generate`'s stopping criteria: the cache positions are passed explicitly,
 so that the prompt can be prefilled after the same zero prefix our engine gets (see the
-`jaxdecode.bench` docstring). `hf_static` uses a `StaticCache` and the forward compiled by HF's own
+`jaxdecode.bench.suite` docstring). `hf_static` uses a `StaticCache` and the forward compiled by HF's own
 `get_compiled_call` (torch.compile, mode "reduce-overhead": CUDA graphs), which is what
 `generate(cache_implementation="static")` uses for its decode steps; the prefill stays eager.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import transformers
 
-from jaxdecode.bench import Timing, chunking
+from jaxdecode.bench.timing import Timing, cache_length, chunking
 from jaxdecode.config import ModelConfig
 from jaxdecode.model import Transformer
 
 
 def hf_config(cfg: ModelConfig):
     """The transformers config (Llama, or Qwen2 when the q/k/v projections have biases) of cfg."""
-    from transformers import LlamaConfig, Qwen2Config
-
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
@@ -55,7 +58,7 @@ def hf_config(cfg: ModelConfig):
         tie_word_embeddings=cfg.tie_embeddings,
         rope_parameters=rope,
     )
-    return Qwen2Config(**kw) if cfg.qkv_bias else LlamaConfig(**kw, attention_bias=False)
+    return transformers.Qwen2Config(**kw) if cfg.qkv_bias else transformers.LlamaConfig(**kw, attention_bias=False)
 
 
 def our_tensors(model: Transformer) -> dict[str, tuple[object, bool]]:
@@ -91,22 +94,18 @@ def _to_torch(x, device: str) -> torch.Tensor:
 
 
 def torch_device() -> str:
-    import jax
-
     return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
 
 
 def build_hf(model: Transformer, device: str | None = None):
     """An HF transformers model (eval mode, our weights' dtype) holding a copy of our weights."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
-
     cfg = model.cfg
     device = device or torch_device()
     tensors = our_tensors(model)
     dtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float16): torch.float16}.get(
         jnp.dtype(tensors["model.norm.weight"][0].dtype), torch.float32
     )
-    cls = Qwen2ForCausalLM if cfg.qkv_bias else LlamaForCausalLM
+    cls = transformers.Qwen2ForCausalLM if cfg.qkv_bias else transformers.LlamaForCausalLM
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -131,8 +130,6 @@ def build_hf(model: Transformer, device: str | None = None):
 def release_memory() -> None:
     """Give back what torch holds once the HF models are dropped: compiled graphs and their CUDA-graph
     memory pools, and the allocator's cached blocks (the next model needs the memory)."""
-    import gc
-
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
@@ -147,15 +144,13 @@ def _sync(device):
 def prefix_cache(hf, batch: int, context: int, cache_len: int, static: bool, cache=None):
     """A cache holding `context` zero rows in every layer: a `StaticCache` of `cache_len` rows, or a
     `DynamicCache`. A given static cache is reset and refilled (torch.compile keeps its addresses)."""
-    from transformers import DynamicCache, StaticCache
-
     cfg = hf.config
     if cache is not None:
         cache.reset()
     elif static:
-        cache = StaticCache(config=cfg, max_cache_len=cache_len)
+        cache = transformers.StaticCache(config=cfg, max_cache_len=cache_len)
     else:
-        cache = DynamicCache(config=cfg)
+        cache = transformers.DynamicCache(config=cfg)
     if context:
         p = hf.model.embed_tokens.weight
         zeros = torch.zeros(batch, cfg.num_key_value_heads, context, cfg.head_dim, dtype=p.dtype, device=p.device)
@@ -172,8 +167,6 @@ def time_hf(
 
     The first run (the first chunk of steps) includes compilation; the second is timed.
     """
-    from jaxdecode.bench import cache_length
-
     b, p = prompts.shape
     device = hf.model.embed_tokens.weight.device
     prompt = torch.as_tensor(prompts, device=device)
@@ -227,9 +220,7 @@ def time_hf(
 
 
 def hf_runner(hf, *, compiled: bool):
-    """run(prompts, context=, steps=) -> (Timing, extra row fields) for `jaxdecode.bench.run_suite`."""
-    import transformers
-
+    """run(prompts, context=, steps=) -> (Timing, extra row fields) for `jaxdecode.bench.suite.run_suite`."""
     forward = None
     if compiled:
         getter = getattr(hf, "get_compiled_call", None)
