@@ -240,7 +240,7 @@ def sdpa(q: Array, k_cache: Array, v_cache: Array, positions: Array) -> Array:
 
     A query at position p sees cache rows 0..p (positions [B, T]); rows past a sequence's length hold
     stale or padding values and are always in the future. One module-level jitted function, so the
-    in-place looped decode (`jaxdecode.inplace`) can hand it to a kernel that reads the stacked cache.
+    in-place looped decode (`jaxdecode.looping.inplace`) can hand it to a kernel that reads the stacked cache.
     """
     b, t, n, h = q.shape
     s, kv_heads = k_cache.shape[1], k_cache.shape[2]

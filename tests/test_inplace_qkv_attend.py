@@ -20,7 +20,8 @@ from tests.test_inplace_loop import (
     RTOL,
     _decode_step_jaxpr,
     _inplace_engine,
-    _scan_body,  # noqa: F401
+    _scan_body,
+    qkv_model,  # noqa: F401 (a fixture the tests below take by name)
     reference_qkv,
 )
 
