@@ -351,15 +351,20 @@ def test_dispatch_hook_falls_back_off_hopper():
     assert kernel_stacked_dot(x, stack, 0, jnp.float32) is None  # f32 output from bf16: keep XLA's dot
 
 
-@pytest.fixture(scope="module", params=["tiny-gqa", "tiny-qwen2"])
-def qkv_model(request):
-    """GQA models without and with q/k/v biases; the biases random (init_random makes them zero)."""
-    model = init_random(get_preset(request.param), seed=2)
+def biased_model(name: str):
+    """A tiny model whose q/k/v biases (if it has them) are random (init_random makes them zero)."""
+    model = init_random(get_preset(name), seed=2)
     keys = iter(jax.random.split(jax.random.key(3), 3 * model.cfg.n_layers))
     for layer in model.layers if model.cfg.qkv_bias else []:
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
             proj.bias.set_value(jax.random.normal(next(keys), proj.bias.shape, proj.bias.dtype))
     return model
+
+
+@pytest.fixture(scope="module", params=["tiny-gqa", "tiny-qwen2"])
+def qkv_model(request):
+    """GQA models without and with q/k/v biases."""
+    return biased_model(request.param)
 
 
 def test_engine_qkv_hook_equals_unrolled(qkv_model):

@@ -21,9 +21,16 @@ from tests.test_inplace_loop import (
     _decode_step_jaxpr,
     _inplace_engine,
     _scan_body,
-    qkv_model,  # noqa: F401 (a fixture the tests below take by name)
+    biased_model,
     reference_qkv,
 )
+
+
+@pytest.fixture(scope="module", params=["tiny-gqa", "tiny-qwen2"])
+def qkv_model(request):
+    """GQA models without and with q/k/v biases."""
+    return biased_model(request.param)
+
 
 TILE = 16  # divides the tiny configs' widths (48, 16) and holds half a head (4)
 
