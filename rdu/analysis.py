@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rdu.gpu import gpu_estimate
 from rdu.graph import DataflowGraph
 from rdu.hardware import GPUSpec, RDUSpec, gpu, sn40l
 from rdu.mapping import Mapping, ModelDoesNotFit, map_decode
-from rdu.simulate import Estimate, _socket_bytes, gpu_estimate, simulate_rdu
+from rdu.simulate import Estimate, simulate_rdu, socket_bytes
 from rdu.trace import trace_decode_step
 
 GPU_REPORT_MODES = ("xla", "scan_copy", "eager")
@@ -157,7 +158,7 @@ def timeline(m: Mapping, est: Estimate) -> list[Segment]:
     t = 0.0
     for kt in est.kernels:
         k = roles[kt.name]
-        nbytes = _socket_bytes(k, m) * m.placement.hbm_fraction
+        nbytes = socket_bytes(k, m) * m.placement.hbm_fraction
         overlapped = k.is_layer and kt.iterations > 1  # the looped decoder kernel
         stream_s = kt.iteration_s if overlapped else max(kt.memory_s, kt.compute_s)
         comm_s = 0.0 if overlapped else kt.iteration_s - stream_s

@@ -30,15 +30,15 @@ class GPURow:
 
 
 B = "BENCHMARKS.md 2026-11-30 (results_loop_gpu_8b_inplace.json)"
-# The bench suite, one NVIDIA H200, `jaxdecode bench`, run 2026-11-30 08:50-08:58 UTC (after q, k, v became one
-# Stream-K kernel per layer); the summary line of each file gives its end time and read ceiling.
+# The bench suite, one NVIDIA H200, `jaxdecode bench` (after q, k, v became one Stream-K kernel per layer);
+# the summary line of each file gives its end time and read ceiling.
 S = "BENCHMARKS.md 2026-11-30 08:57 UTC (benchmarks/results_bench_gpu_0857_8b.jsonl, read ceiling 4330 GB/s)"
 SQ = "BENCHMARKS.md 2026-11-30 08:58 UTC (benchmarks/results_bench_gpu_0857_qwen.jsonl, read ceiling 4348 GB/s)"
-# The newer suite run of the current engine (fewer glue kernels per layer), 2026-11-30 10:31-10:36 UTC: the
-# in-place ("ours") rows. The unrolled rows (H200_ROWS) stay on the 08:57 run.
+# A newer suite run of the engine (fewer glue kernels per layer): the in-place ("ours") rows. The unrolled
+# rows (H200_ROWS) stay on the run above (S, SQ).
 SI = "BENCHMARKS.md 2026-11-30 10:35 UTC (benchmarks/results_bench_gpu_8b.jsonl, read ceiling 4440 GB/s)"
 SIQ = "BENCHMARKS.md 2026-11-30 10:36 UTC (benchmarks/results_bench_gpu_qwen.jsonl, read ceiling 4383 GB/s)"
-# Earlier bench runs of the same day, since overwritten in those files (kept as CONFLICTS alternatives only).
+# Earlier bench runs, since overwritten in those files (kept as CONFLICTS alternatives only).
 SQ_OLD = "BENCHMARKS.md 2026-11-30 06:05 run (results_bench_gpu_qwen.jsonl of that time, since overwritten)"
 SQ2_OLD = "BENCHMARKS.md 2026-11-30 06:12 run (results_bench_gpu_qwen.jsonl of that time, since overwritten)"
 TPS = "BENCHMARKS.md 2026-11-30 (results_tp_gpu.json, benchmarks/tp_gpu.py)"
@@ -69,7 +69,7 @@ A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
 # it, batch-1 rows cannot split the time between per-kernel overhead and M=1 bandwidth, and that split is
 # what sets every batch > 1 prediction); hold out the other batch-8 and all batch-32 rows. "unrolled, b8"
-# is the fit row's configuration measured in another run (4.54 vs 4.96 ms), not an independent test. The in-place
+# is the fit row's configuration measured in another run, not an independent test. The in-place
 # looped rows are modeled as "xla": the model has no term for flat_gemm's bandwidth vs cuBLAS's. The bench
 # suite's cache holds context + 128 tokens (cache_len 1152 / 8320), which attention reads whole.
 H200_ROWS = (
@@ -96,12 +96,12 @@ H200_ROWS = (
     GPURow("suite unrolled, Qwen2.5-7B b8 ctx 1k", 4.846, "xla", 8, "test", SQ, context=1152, model="qwen2.5-7b"),
 )
 # Our default engine ("ours": looped in place, Pallas kernels), `jaxdecode bench`, GPU mode "looped_inplace"
-# (rdu.gpu_modes). Train on the Llama-3.1-8B 1k rows and Qwen2.5-7B batch 8; hold out every 8k row and
+# (rdu.gpu). Train on the Llama-3.1-8B 1k rows and Qwen2.5-7B batch 8; hold out every 8k row and
 # Qwen batch 1. One Qwen row is in the fit because the Llama rows alone (all 32 layers) cannot split the
-# time between per-kernel costs (per layer) and GEMM bandwidth (per weight byte). All eight rows are the
-# 10:31-10:36 UTC run of the current engine (q, k, v one Stream-K kernel per layer, 4 GEMM kernels per
-# layer; 17 kernels per layer at batch 1); the 08:50-08:58 rows (24 kernels per layer) and the morning's
-# (three q/k/v kernels, 06:04-06:12) are superseded and not used. Context = cache_len (context + 128).
+# time between per-kernel costs (per layer) and GEMM bandwidth (per weight byte). All eight rows are one
+# suite run of the engine (SI, SIQ: q, k, v one Stream-K kernel per layer, 4 GEMM kernels per layer; 17
+# kernels per layer at batch 1); earlier runs (24 kernels per layer, or three q/k/v kernels) are
+# superseded and not used. Context = cache_len (context + 128).
 INPLACE_ROWS = (
     GPURow("ours, Llama-3.1-8B b1 ctx 1k", 4.632, "looped_inplace", 1, "train", SI, context=1152),
     GPURow("ours, Llama-3.1-8B b8 ctx 1k", 5.085, "looped_inplace", 8, "train", SI, context=1152),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 GIB, TIB, MIB, KIB = 2**30, 2**40, 2**20, 2**10
 
-# The stored fit of the free constants (rdu/fit.py writes it: `python -m rdu.fit`).
+# The stored fit of the free constants (rdu/fit/ writes it: `python -m rdu.fit`).
 FITTED_PATH = Path(__file__).with_name("fitted.json")
 CONSTANTS = ("published", "fitted")  # "published": the sourced/assumed values below (the default)
 
@@ -110,7 +110,7 @@ class GPUSpec(_Sourced):
     eager_op_s: float  # host dispatch per op in PyTorch eager mode
     nvlink_bw: float  # bytes/s per GPU, one direction
     allreduce_latency_s: float  # small-message all-reduce across the GPUs of one node
-    # Our looped in-place engine (GPU mode "looped_inplace", rdu.gpu_modes): fractions of the spec peak.
+    # Our looped in-place engine (GPU mode "looped_inplace", rdu.gpu): fractions of the spec peak.
     flat_gemm_efficiency: float = 0.64  # Mosaic flat GEMM over the stacked weights at M = 1
     flat_gemm_m_exponent: float = 0.034  # flat GEMM efficiency(M) = flat_gemm_efficiency * M ** -exponent
     split_k_efficiency: float = 0.79  # split-K decode attention over the stacked cache

@@ -25,6 +25,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from jaxdecode.model import Hook
 from rdu.graph import SLICING_OPS, DataflowGraph, Node
 from rdu.hardware import GIB, RDUSpec
 
@@ -216,7 +217,7 @@ def _loose_kernel(graph: DataflowGraph, scope: str, nodes: list[Node]) -> Kernel
     act = sum(e.nbytes for e in graph.edges if (e.src in ids) != (e.dst in ids) and e.src != -1 and e.dst != -1)
     weights = sum(r for p, r in reads.items() if graph.inputs[p].nbytes > 64 * 1024)
     other = sum(reads.values()) - weights + writes + act // 2
-    # The final norm is the model's named call `rms_norm`: its ops count as they did when the norm was
+    # The final norm is the model's named call `Hook.RMS_NORM`: its ops count as they did when the norm was
     # written inline (the fitted GPU constants were fitted with that count). Other calls among loose
     # ops (the embedding's jitted gather) stay one node, as they always were.
     ops = [
@@ -224,7 +225,7 @@ def _loose_kernel(graph: DataflowGraph, scope: str, nodes: list[Node]) -> Kernel
         for n in nodes
         for leaf in (
             [x for c in n.children for x, _ in c.walk() if not x.children]
-            if n.kind == "call" and n.name == "rms_norm"
+            if n.kind == "call" and n.name == Hook.RMS_NORM
             else [n]
         )
     ]

@@ -234,7 +234,7 @@ def _call_input_reads(node: Node, eqn) -> list[int]:
         reads = [max(b.input_reads[i] for b in node.children) for i in range(n_in - 1)]
         return [eqn.invars[0].aval.dtype.itemsize] + reads
     if op == "while":
-        ncc, nbc = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        ncc = eqn.params["cond_nconsts"]
         body = node.children[0]
         reads = [0] * ncc + list(body.input_reads)
         return reads[:n_in] + [0] * (n_in - len(reads))

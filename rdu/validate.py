@@ -15,9 +15,10 @@ import math
 from dataclasses import dataclass
 
 from jaxdecode.config import get_preset
+from rdu.gpu import gpu_estimate
 from rdu.hardware import GIB, gpu, sn40l
 from rdu.mapping import ModelDoesNotFit, map_decode
-from rdu.simulate import gpu_estimate, simulate_rdu
+from rdu.simulate import simulate_rdu
 from rdu.trace import trace_decode_step
 
 KL_MODELS = (
@@ -251,7 +252,7 @@ def rows(constants: str = "published") -> list[Row]:
     return out
 
 
-# (model, batch, measured ms/token) of `python benchmarks/tp_gpu.py` on 2 H200s, 2026-11-30.
+# (model, batch, measured ms/token) of `python benchmarks/tp_gpu.py` on 2 H200s (BENCHMARKS.md).
 TP2_MEASURED_MS = (
     ("llama-3.1-8b", 1, 4.832),
     ("llama-3.1-8b", 8, 5.229),
@@ -315,7 +316,7 @@ def predict_tp(
     mode: str = "xla",
 ) -> float:
     """Predicted ms per decode step of `model` on `n_gpus` GPUs of one node (Megatron tensor parallel,
-    rdu.simulate.gpu_kernel_terms), batch `batch`, `ctx` cached tokens, XLA-style fusion."""
+    rdu.gpu.gpu_kernel_terms), batch `batch`, `ctx` cached tokens, XLA-style fusion."""
     cfg = get_preset(model)
     g = trace_decode_step(cfg, batch, ctx, looped=False)
     spec = gpu(gpu_name, constants)

@@ -53,7 +53,8 @@ def render_html(a: Analysis) -> str:
         [
             f"<h1>{html.escape(title)}</h1>",
             f'<p class="sub"><span data-key="gflop_per_step" data-value="{r["gflop_per_step"]!r}">'
-            f'{r["gflop_per_step"]:.2f}</span> GFLOP and <span data-key="gb_per_step" data-value="{r["gb_per_step"]!r}">'
+            f"{r['gflop_per_step']:.2f}</span> GFLOP and "
+            f'<span data-key="gb_per_step" data-value="{r["gb_per_step"]!r}">'
             f"{r['gb_per_step']:.2f}</span> GB per decode step; {len(a.graph.find('dot_general'))} matmuls in the "
             f"looped trace; GPU: {html.escape(a.gpu.name)}.</p>",
             '<h2 id="summary">Summary</h2>',

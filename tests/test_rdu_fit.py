@@ -11,20 +11,13 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdecode.config import get_preset
-from rdu.fit import (
-    H200_ROWS,
-    GPUFeatures,
-    fit_gpu,
-    gpu_constants,
-    gpu_features,
-    gpu_time,
-    rdu_constants,
-    rdu_features,
-    rdu_time,
-)
+from rdu.anchors import H200_ROWS
+from rdu.fit.gpu import GPUFeatures, fit_gpu, gpu_constants, gpu_features, gpu_time
+from rdu.fit.sn40l import rdu_constants, rdu_features, rdu_time
+from rdu.gpu import gpu_estimate, simulate_gpu
 from rdu.hardware import H200, gpu, load_fitted, sn40l
 from rdu.mapping import ModelDoesNotFit, fuse, map_decode
-from rdu.simulate import gpu_estimate, simulate_gpu, simulate_rdu
+from rdu.simulate import simulate_rdu
 from rdu.trace import trace_decode_step
 
 REL = 1e-5  # the JAX model runs in float32; the reference in float64
@@ -206,7 +199,7 @@ def test_bad_input(capsys):
 
 @pytest.mark.parametrize("constants", CONSTANTS)
 def test_jax_inplace_model_equals_reference_and_grad(constants):
-    from rdu.fit_inplace import inplace_constants, inplace_features, inplace_time
+    from rdu.fit.inplace import inplace_constants, inplace_features, inplace_time
 
     spec = gpu("h200", constants)
     for name, b, s, n in (("llama-3.1-8b", 1, 1152, 1), ("llama-3.1-8b", 32, 8320, 1), ("qwen2.5-7b", 8, 1152, 2)):
@@ -238,7 +231,7 @@ def test_inplace_mode_meets_the_issue_bar_on_held_out_rows():
     MAPE <= 8%, max <= 15%. Recomputed here from the code and the stored constants; held out: the 8k
     rows and Qwen batch 1 (rdu.anchors.INPLACE_ROWS), and leave-one-out over all eight."""
     from rdu.anchors import INPLACE_ROWS
-    from rdu.fit_inplace import inplace_time, row_features
+    from rdu.fit.inplace import inplace_time, row_features
 
     rec = load_fitted()
     c, cx = rec["gpu_inplace"]["fitted"], rec["gpu"]["fitted"]

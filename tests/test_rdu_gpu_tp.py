@@ -9,10 +9,10 @@ import pytest
 from jaxdecode.cli import main
 from jaxdecode.config import get_preset
 from rdu.anchors import CONFLICTS
-from rdu.fit import gpu_constants, gpu_features, gpu_time
+from rdu.fit.gpu import gpu_constants, gpu_features, gpu_time
+from rdu.gpu import gpu_estimate, simulate_gpu
 from rdu.hardware import H200, gpu
 from rdu.mapping import Kernel, fuse
-from rdu.simulate import gpu_estimate, simulate_gpu
 from rdu.trace import trace_decode_step
 from rdu.validate import predict_tp, spread_rows
 
@@ -171,7 +171,7 @@ def test_inplace_gemm_count_groups_matmuls_by_shared_input():
     import jax
     import jax.numpy as jnp
 
-    from rdu.gpu_modes import inplace_kernel_counts
+    from rdu.gpu import inplace_kernel_counts
     from rdu.trace import trace
 
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
@@ -196,7 +196,7 @@ def test_inplace_allreduce_kernel_by_hand():
     """looped_inplace on 2 GPUs: "kernel" charges the measured kernel duration per all-reduce (two per
     layer) where "psum" charges NCCL's latency plus the ring's bytes; everything else is equal. Bad
     choices are refused with the name of the problem."""
-    from rdu.gpu_modes import inplace_terms
+    from rdu.gpu import inplace_terms
 
     cfg = get_preset("llama-3.1-8b")
     layer = next(k for k in fuse(trace_decode_step(cfg, 1, 1152, looped=False)) if k.is_layer)

@@ -5,10 +5,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.extend import core as jcore
 
 from jaxdecode.config import get_preset
 from jaxdecode.cost import decode_cost
-from jaxdecode.model import Transformer
+from jaxdecode.looped_model import LoopedForward
+from jaxdecode.model import Hook, Transformer
 from rdu.trace import trace, trace_decode_step
 
 F32 = jnp.float32
@@ -70,6 +72,35 @@ def test_looped_decode_step_structure(name):
     assert sum(n.name == "decoder_layer_call" for n in unrolled.nodes) == cfg.n_layers
     assert any(s.startswith(f"layers_{cfg.n_layers - 1}/") for s in unrolled.scopes())
     assert unrolled.total_flops() == g.total_flops() and unrolled.fused_bytes == g.fused_bytes
+
+
+def _call_names(jaxpr) -> set[str]:
+    """The name of every jit call in a jaxpr (eqn `params["name"]`), recursing into sub-jaxprs."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pjit", "jit"):
+            names.add(str(eqn.params["name"]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    names |= _call_names(getattr(sub, "jaxpr", sub))
+    return names
+
+
+@pytest.mark.parametrize("looped", [True, False])
+def test_every_hook_is_a_named_call_of_the_traced_decode_step(looped):
+    """rdu (and the engine's kernel hooks) key on `model.Hook` members: each must be a call name in the
+    decode step's jaxpr (T = 1) and a call node of the graph rdu builds from it."""
+    cfg = get_preset("tiny-gqa")
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract)
+    plan = LoopedForward(graphdef, params, cfg).plan(1, 1, 64, jnp.bfloat16)
+    jaxpr = plan.jaxpr if looped else plan.original_jaxpr
+    names = _call_names(getattr(jaxpr, "jaxpr", jaxpr))
+    assert {h for h in Hook if h not in names} == set(), sorted(names)
+    g = trace_decode_step(cfg, 1, 64, looped=looped)
+    calls = {n.name for n, _ in g.walk() if n.kind == "call"}
+    assert {h for h in Hook if h not in calls} == set(), sorted(calls)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
-"""The "looped_inplace" GPU mode (rdu.gpu_modes) as a `jnp` function, and its optax fit.
+"""The "looped_inplace" GPU mode (rdu.gpu) as a `jnp` function, and its optax fit.
 
 Free constants: `inplace_kernel_gap_s`, `flat_gemm_efficiency`, `flat_gemm_m_exponent`,
-`split_k_efficiency`; the embedding and LM head use the "xla" constants fitted first (rdu.fit), held
-fixed here. Rows: rdu.anchors.INPLACE_ROWS (train / test as marked there), plus leave-one-out over
-all of them (each row predicted by a fit on the other seven), and the tensor-parallel rows
+`split_k_efficiency`; the embedding and LM head use the "xla" constants fitted first (rdu.fit.gpu),
+held fixed here. Rows: rdu.anchors.INPLACE_ROWS (train / test as marked there), plus leave-one-out
+over all of them (each row predicted by a fit on the other seven), and the tensor-parallel rows
 (INPLACE_TP_ROWS) reported with the fitted constants. "Before" is the previous model of these rows:
 the "xla" mode with its fitted constants.
 """
@@ -16,10 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.config import get_preset
 from rdu.anchors import INPLACE_ROWS, INPLACE_TP_ROWS, GPURow
-from rdu.fit import GPUFeatures, _err, _fit, gpu_features, gpu_time, msle, summarize
-from rdu.gpu_modes import inplace_terms
+from rdu.fit.common import err_pct, fit_constants, msle, summarize
+from rdu.fit.gpu import GPUFeatures, gpu_features, gpu_time
+from rdu.gpu import inplace_terms
 from rdu.hardware import H100, H200, INPLACE_FREE, GPUSpec
+from rdu.mapping import fuse
+from rdu.trace import trace_decode_step
 
 
 def inplace_constants(g: GPUSpec) -> dict[str, float]:
@@ -116,10 +120,6 @@ def inplace_time(c_xla: dict, c: dict, f: InplaceFeatures):
 
 def row_features(row: GPURow) -> tuple[InplaceFeatures, GPUFeatures]:
     """(looped_inplace features, "xla" features) of a measured row's configuration."""
-    from jaxdecode.config import get_preset
-    from rdu.mapping import fuse
-    from rdu.trace import trace_decode_step
-
     cfg = get_preset(row.model)
     all_kernels = fuse(trace_decode_step(cfg, row.batch, row.context, looped=False))
     kernels = [k for k in all_kernels if k.role != "sampling"]
@@ -145,7 +145,7 @@ def fit_inplace(
     def loss(c):
         return msle([1e3 * inplace_time(cx, c, f) for f in feats], [r.measured_ms for r in rows])
 
-    return _fit(loss, inplace_constants(H200), steps, lr, weak=frozenset({"inplace_kernel_gap_s"}))
+    return fit_constants(loss, inplace_constants(H200), steps, lr, weak=frozenset({"inplace_kernel_gap_s"}))
 
 
 def _ms(c_xla, c, f) -> float:
@@ -209,11 +209,11 @@ def _row(r: GPURow, c_xla, pub, fitted, f, fx, loo_model: float | None = None) -
         "source": r.source,
         "published_model": a,
         "fitted_model": b,
-        "published_err_pct": _err(a, r.measured_ms),
-        "fitted_err_pct": _err(b, r.measured_ms),
+        "published_err_pct": err_pct(a, r.measured_ms),
+        "fitted_err_pct": err_pct(b, r.measured_ms),
         "before_xla_model": x,
-        "before_xla_err_pct": _err(x, r.measured_ms),
+        "before_xla_err_pct": err_pct(x, r.measured_ms),
     }
     if loo_model is not None:
-        out.update(loo_model=loo_model, loo_err_pct=_err(loo_model, r.measured_ms))
+        out.update(loo_model=loo_model, loo_err_pct=err_pct(loo_model, r.measured_ms))
     return out

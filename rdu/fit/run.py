@@ -1,0 +1,189 @@
+"""All fits of rdu.fit in one run: the GPU constants (with and without the batch term), the SN40L
+constants and the looped in-place ones; the per-row table and the record of rdu/fitted.json."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rdu.anchors import DGX_ROW, H200_ROWS, SN40L_ROWS, A
+from rdu.fit.common import PRIOR_WEIGHT, err_pct, summarize
+from rdu.fit.gpu import fit_gpu, gpu_constants, gpu_row_features, gpu_time
+from rdu.fit.inplace import run_inplace
+from rdu.fit.sn40l import fit_sn40l, rdu_constants, sn40l_configs, sn40l_predictions
+from rdu.hardware import FITTED_PATH, H200, sn40l
+
+
+def run_fit(steps: int = 600) -> dict:
+    """Fit both sets of constants; returns the record written to rdu/fitted.json."""
+    t0 = time.time()
+    gfeats = [gpu_row_features(r) for r in H200_ROWS]
+    gpu_fit, gpu_loss = fit_gpu(gfeats, steps=steps)
+    flat_fit, flat_loss = fit_gpu(gfeats, steps=steps, batch_dependent=False)
+    rfeats = sn40l_configs()
+    rdu_fit, rdu_loss = fit_sn40l(rfeats, steps=steps)
+    gpub = gpu_constants(H200)
+    rows = []
+    for r, f in zip(H200_ROWS, gfeats):
+        pub, fit = 1e3 * float(gpu_time(gpub, f)), 1e3 * float(gpu_time(gpu_fit, f))
+        flat = 1e3 * float(gpu_time(flat_fit, f))
+        rows.append(
+            {
+                "group": "h200",
+                "what": r.what,
+                "split": r.split,
+                "mode": r.mode,
+                "batch": r.batch,
+                "context": r.context,
+                "target": r.measured_ms,
+                "unit": "ms/step",
+                "source": r.source,
+                "published_model": pub,
+                "fitted_model": fit,
+                "published_err_pct": err_pct(pub, r.measured_ms),
+                "fitted_err_pct": err_pct(fit, r.measured_ms),
+                "no_batch_term_model": flat,
+                "no_batch_term_err_pct": err_pct(flat, r.measured_ms),
+            }
+        )
+    f = gpu_row_features(DGX_ROW)
+    pub, fit = 1e3 * float(gpu_time(gpub, f)), 1e3 * float(gpu_time(gpu_fit, f))
+    rows.append(
+        {
+            "group": "dgx_h100",
+            "what": DGX_ROW.what,
+            "split": "report only",
+            "mode": "fixed",
+            "batch": 1,
+            "target": DGX_ROW.measured_ms,
+            "unit": "ms/step",
+            "source": DGX_ROW.source,
+            "published_model": pub,
+            "fitted_model": fit,
+            "published_err_pct": err_pct(pub, DGX_ROW.measured_ms),
+            "fitted_err_pct": err_pct(fit, DGX_ROW.measured_ms),
+        }
+    )
+    rpub = rdu_constants(sn40l())
+    p_pub, p_fit = sn40l_predictions(rpub, rfeats), sn40l_predictions(rdu_fit, rfeats)
+    for r in SN40L_ROWS:
+        a, b = float(p_pub[r.what]), float(p_fit[r.what])
+        rows.append(
+            {
+                "group": "sn40l",
+                "what": r.what,
+                "split": r.split,
+                "target": r.target,
+                "source": r.source,
+                "published_model": a,
+                "fitted_model": b,
+                "published_err_pct": err_pct(a, r.target),
+                "fitted_err_pct": err_pct(b, r.target),
+            }
+        )
+    summary = {}
+    for grp in ("h200", "sn40l"):
+        for split in ("train", "test"):
+            sub = [x for x in rows if x["group"] == grp and x["split"] == split]
+            summary[f"{grp}_{split}"] = {
+                "published": summarize([x["published_err_pct"] for x in sub]),
+                "fitted": summarize([x["fitted_err_pct"] for x in sub]),
+            }
+        sub = [x for x in rows if x["group"] == grp]
+        summary[f"{grp}_all"] = {
+            "published": summarize([x["published_err_pct"] for x in sub]),
+            "fitted": summarize([x["fitted_err_pct"] for x in sub]),
+        }
+    # Held-out H200 rows by who measured them: our engine (BENCHMARKS.md) or the plain-JAX peer
+    # (h200-anchors.md), which disagree at batch 8/32 (rdu.anchors.CONFLICTS).
+    for name, peer in (("h200_test_ours", False), ("h200_test_peer", True)):
+        sub = [x for x in rows if x["group"] == "h200" and x["split"] == "test" and (x["source"] == A) == peer]
+        summary[name] = {
+            "published": summarize([x["published_err_pct"] for x in sub]),
+            "fitted": summarize([x["fitted_err_pct"] for x in sub]),
+        }
+    for key in [k for k in summary if k.startswith("h200")]:
+        split = {"train": "train", "test": "test"}.get(key.split("_")[1])
+        sub = [
+            x
+            for x in rows
+            if x["group"] == "h200"
+            and (split is None or x["split"] == split)
+            and (key not in ("h200_test_ours", "h200_test_peer") or (x["source"] == A) == key.endswith("peer"))
+        ]
+        summary[key]["no_batch_term"] = summarize([x["no_batch_term_err_pct"] for x in sub])
+    suite = [x for x in rows if x["group"] == "h200" and x["what"].startswith("suite unrolled")]
+    for split in ("train", "test", "all"):
+        sub = [x for x in suite if split in ("all", x["split"])]
+        summary[f"h200_unrolled_{split}"] = {
+            k: summarize([x[f"{k}_err_pct"] for x in sub]) for k in ("published", "fitted")
+        }
+    inplace = run_inplace(gpu_fit, steps=steps)
+    rows += inplace.pop("rows")
+    summary.update(inplace.pop("summary"))
+    return {
+        "what": "free constants of the rdu cost model, fitted with optax Adam on log/logit parameters",
+        "loss": f"mean squared log error over the train rows + {PRIOR_WEIGHT:g} x sum (free param - published)^2",
+        "steps": steps,
+        "fit_seconds": round(time.time() - t0, 1),
+        "note": "launch_s and sync_s reach the time only as a sum; their split is the prior's",
+        "sn40l": {
+            "published": rpub,
+            "fitted": rdu_fit,
+            "train_loss": rdu_loss,
+            "hbm_tb_s": 1.8,
+            "fit_rows": [r.what for r in SN40L_ROWS if r.split == "train"],
+            "held_out_rows": [r.what for r in SN40L_ROWS if r.split == "test"],
+        },
+        "gpu": {
+            "published": gpub,
+            "fitted": gpu_fit,
+            "train_loss": gpu_loss,
+            "gpu": "h200 (also used for h100)",
+            "no_batch_term_fitted": flat_fit,
+            "no_batch_term_train_loss": flat_loss,
+            "fit_rows": [r.what for r in H200_ROWS if r.split == "train"],
+            "held_out_rows": [r.what for r in H200_ROWS if r.split == "test"],
+        },
+        "gpu_inplace": inplace,
+        "rows": rows,
+        "summary": summary,
+    }
+
+
+def format_record(rec: dict) -> str:
+    lines = [f"{'group':6s} {'split':7s} {'row':62s} {'target':>9s} {'publ.':>9s} {'Δ%':>7s} {'fitted':>9s} {'Δ%':>7s}"]
+    for x in rec["rows"]:
+        lines.append(
+            f"{x['group'][-6:]:6s} {x['split'][:7]:7s} {x['what'][:62]:62s} {x['target']:9.4g} "
+            f"{x['published_model']:9.4g} {x['published_err_pct']:+7.1f} {x['fitted_model']:9.4g} "
+            f"{x['fitted_err_pct']:+7.1f}"
+        )
+    for k, v in rec["summary"].items():
+        p, f = v["published"], v["fitted"]
+        flat = v.get("no_batch_term")
+        lines.append(
+            f"{k:15s} ({p['rows']:2d} rows): published MAPE {p['mape_pct']:5.1f}% max {p['max_abs_err_pct']:5.1f}%"
+            f"  | fitted MAPE {f['mape_pct']:5.1f}% max {f['max_abs_err_pct']:5.1f}%"
+            + (
+                f"  | fitted without batch term {flat['mape_pct']:5.1f}% max {flat['max_abs_err_pct']:5.1f}%"
+                if flat
+                else ""
+            )
+        )
+    for grp in ("sn40l", "gpu", "gpu_inplace"):
+        lines.append(
+            f"{grp} constants: "
+            + ", ".join(
+                f"{k} {rec[grp]['published'][k]:.4g} -> {rec[grp]['fitted'][k]:.4g}" for k in rec[grp]["fitted"]
+            )
+        )
+    return "\n".join(lines)
+
+
+def main(path: Path = FITTED_PATH) -> None:
+    rec = run_fit()
+    print(format_record(rec))
+    path.write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
