@@ -275,7 +275,8 @@ def test_splits_aim_at_576_programs_within_one_wave_and_32_splits():
     # 4k (66 blocks = 2 x 3 x 11) and 8k (130 = 2 x 5 x 13): the largest divisor within 32 splits
     assert [splits(1, 8, 4224), splits(1, 8, 8320), splits(8, 8, 4224)] == [22, 26, 6]
     assert splits(1, 8, 4224, max_splits=None) == 66
-    old = dict(target_programs=264, max_programs=None, max_splits=None)  # the rule before the one-wave and 32-split caps
+    # the rule before the one-wave and 32-split caps
+    old = dict(target_programs=264, max_programs=None, max_splits=None)
     assert [splits(1, 8, 4224, **old), splits(8, 8, 1152, **old)] == [33, 3]
     assert splits(1, 8, 1152, num_splits=4) == 4
 
