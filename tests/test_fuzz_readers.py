@@ -17,8 +17,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from fixtures_weights import random_hf_state, write_gguf
 from gguf import GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
+from helpers import gguf_name, random_hf_state, write_gguf
 from safetensors.numpy import save_file
 
 from jaxdecode.config import ModelConfig
@@ -102,28 +103,79 @@ def run_cases(n, make, load, parse, seeds, rng):
     return failures, kinds, loaded
 
 
+# A seed whose 2-D weights are K-quants (and the 5-bit types): in-widths of 256 where a K-quant goes. Its
+# blocks are random bytes: a NaN or inf scale is a valid file, and the loader must take it as one.
+K_TINY = TINY.replace(dim=256, head_dim=16)
+K_TYPES = {
+    "token_embd": QT.Q6_K,
+    "output": QT.Q5_K,
+    "attn_q": QT.Q4_K,
+    "attn_k": QT.Q3_K,
+    "attn_v": QT.Q2_K,
+    "attn_output": QT.Q5_0,
+    "ffn_gate": QT.Q4_K,
+    "ffn_up": QT.Q6_K,
+    "ffn_down": QT.Q5_1,
+}
+RETYPES = [int(q) for q in QT] + [40, 2**31]  # every ggml type, a gap in the enum, a huge one
+
+
+def _k_quant_seed(path):
+    rng = np.random.default_rng(6)
+    state = random_hf_state(K_TINY, seed=6)
+    raw = {}
+    for hf in [k for k, x in state.items() if x.ndim == 2]:
+        rows, cols = state.pop(hf).shape
+        name = gguf_name(hf)
+        qtype = K_TYPES[name.split(".")[-2]]
+        block_values, type_size = GGML_QUANT_SIZES[qtype]
+        raw[name] = (rng.integers(0, 256, (rows, cols // block_values * type_size), dtype=np.uint8), qtype)
+    return write_gguf(path, K_TINY, state, raw_tensors=raw)
+
+
 def _gguf_seeds(tmp_path):
+    """(bytes, hot, type field offsets): hot is the header's length, or the whole file to mutate tensor data."""
     state = random_hf_state(TINY, seed=3)
-    seeds = []
+    paths = []
     for j, (arch, qtype) in enumerate([("llama", QT.F32), ("qwen2", QT.Q4_1), ("llama", QT.Q8_0)]):
         cfg = TINY.replace(qkv_bias=arch == "qwen2")
-        p = write_gguf(
-            tmp_path / f"seed{j}.gguf",
-            cfg,
-            random_hf_state(cfg, seed=j) if arch == "qwen2" else state,
-            arch=arch,
-            qtype=qtype,
+        paths.append(
+            write_gguf(
+                tmp_path / f"seed{j}.gguf",
+                cfg,
+                random_hf_state(cfg, seed=j) if arch == "qwen2" else state,
+                arch=arch,
+                qtype=qtype,
+            )
         )
-        f = read_gguf(p)
-        seeds.append((p.read_bytes(), min(t.offset for t in f.tensors.values())))  # hot: the header
+    paths.append(_k_quant_seed(tmp_path / "seed_k.gguf"))
+    seeds = []
+    for p in paths:
+        data, f = p.read_bytes(), read_gguf(p)
+        gguf_state_dict(f, cfg=gguf_config(f))  # every seed loads
+        header = min(t.offset for t in f.tensors.values())
+        types = [type_field_offset(data, t.name, len(t.shape)) for t in f.tensors.values()]
+        seeds.append((data, header, types))
+    seeds.append((seeds[-1][0], len(seeds[-1][0]), seeds[-1][2]))  # the K-quant seed, its data mutated too
     return seeds
+
+
+def type_field_offset(data: bytes, name: str, n_dims: int) -> int:
+    """Byte offset of a tensor info's ggml type: after its name (u64 length + bytes), n_dims (u32), ne (u64s)."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    return data.index(key) + len(key) + 4 + 8 * n_dims
 
 
 def test_fuzz_gguf(tmp_path):
     seeds = _gguf_seeds(tmp_path)
-    assert all(len(s) < 32000 for s, _ in seeds)
+    assert all(len(s) < 48000 for s, _, _ in seeds)
+    retype_rng = random.Random(99)
 
     def make(data, i):
+        if i % 8 == 5:  # structure-aware: one tensor gets another ggml type (size, block or support change)
+            data, _, types = seeds[retype_rng.randrange(len(seeds))]
+            pos = retype_rng.choice(types)
+            data = data[:pos] + struct.pack("<I", retype_rng.choice(RETYPES)) + data[pos + 4 :]
         p = tmp_path / "case.gguf"
         p.write_bytes(data)
         return p, data
@@ -133,11 +185,14 @@ def test_fuzz_gguf(tmp_path):
         gguf_state_dict(f, cfg=gguf_config(f))
 
     t0 = time.perf_counter()
-    failures, kinds, loaded = run_cases(N_GGUF, make, load, read_gguf, seeds, random.Random(1234))
+    failures, kinds, loaded = run_cases(
+        N_GGUF, make, load, read_gguf, [(d, hot) for d, hot, _ in seeds], random.Random(1234)
+    )
     elapsed = time.perf_counter() - t0
     assert not failures, f"{len(failures)} bad cases; first: {failures[:3]}"
     # The mutations reach deep: many distinct errors, and some files still load.
     assert len(kinds) >= 10, kinds
+    assert {"tensor has unsupported", "tensor runs into", "tensor has invalid"} <= kinds, kinds  # the retypes
     assert loaded > N_GGUF // 50, loaded
     assert elapsed < 45, elapsed
 

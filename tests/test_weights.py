@@ -5,25 +5,99 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 
 import gguf
 import numpy as np
 import pytest
-from fixtures_weights import random_hf_state, write_gguf
 from gguf import GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize
+from helpers import gguf_name, random_hf_state, write_gguf
 
 from jaxdecode.config import PRESETS
 from jaxdecode.weights import WeightsError, default_model_path, gguf_config, gguf_state_dict, load_hf_dir, read_gguf
-from jaxdecode.weights.gguf import dequantize
+from jaxdecode.weights.quant import FORMATS, dequantize
 
-# Worst-case absolute error of a quantized round trip for N(0, 1) data: half a step of the block scale
-# (max|x| / 7 for 4-bit, / 127 for 8-bit; blocks of 32 rarely exceed |x| = 4).
-QUANT_ATOL = {QT.F32: 0.0, QT.F16: 2e-3, QT.BF16: 2e-2, QT.Q8_0: 0.03, QT.Q4_0: 0.6, QT.Q4_1: 0.6}
+# Worst-case absolute error of a quantized round trip for N(0, 1) data: one step of the block scale
+# (max|x| / 7 for 4-bit, / 15 for 5-bit, / 127 for 8-bit; blocks of 32 rarely exceed |x| = 4).
+QUANT_ATOL = {
+    QT.F32: 0.0,
+    QT.F16: 2e-3,
+    QT.BF16: 2e-2,
+    QT.Q8_0: 0.03,
+    QT.Q4_0: 0.6,
+    QT.Q4_1: 0.6,
+    QT.Q5_0: 0.3,
+    QT.Q5_1: 0.3,
+}
+# Byte offsets of the float16 scale fields in one block, from llama.cpp's ggml-common.h structs (written
+# out here, not taken from jaxdecode's table): random blocks get finite values there.
+F16_SCALES = {
+    QT.Q4_0: (0,),
+    QT.Q4_1: (0, 2),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
+    QT.Q8_0: (0,),
+    QT.Q2_K: (80, 82),
+    QT.Q3_K: (108,),
+    QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
+    QT.Q6_K: (208,),
+}
+FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+BLOCK_SHAPES = [(1, 1), (3, 2), (7, 5)]  # (rows, blocks per row)
+
+
+def random_blocks(qtype: QT, rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random stored bytes of a [rows, blocks * block values] tensor: uint8 [rows, blocks * block bytes].
+
+    The packed quants are any bytes; the f16 scales are drawn finite (zeros, subnormals and large ones
+    included). A random f16 is inf or NaN 1 time in 32, and which NaN payload a product then carries is
+    the CPU's choice, not the format's: test_dequantize_non_finite_scales covers those as values.
+    """
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (rows, blocks, type_size), dtype=np.uint8)
+    for off in F16_SCALES.get(qtype, ()):
+        scale = rng.standard_normal((rows, blocks)) * 10.0 ** rng.uniform(-9, 4, (rows, blocks))
+        raw[:, :, off : off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, blocks * type_size)
 
 
 # --- dequantization -------------------------------------------------------------------------------
+
+
+def test_formats_are_ggml_sizes_and_the_supported_types():
+    assert set(FORMATS) == set(F16_SCALES) | set(FLOAT_TYPES)
+    for qtype, fmt in FORMATS.items():
+        assert (fmt.qtype, fmt.block_values, fmt.block_bytes) == (qtype, *GGML_QUANT_SIZES[qtype]), qtype.name
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_dequantize_is_bit_exact_on_random_blocks(qtype, shape):
+    rows, blocks = shape
+    raw = random_blocks(qtype, rows, blocks, np.random.default_rng([int(qtype), rows]))
+    want = ref_dequantize(raw, qtype).astype(np.float32)  # [rows, blocks * block values]
+    ours = dequantize(raw.reshape(-1), qtype).reshape(want.shape)
+    if qtype in F16_SCALES:
+        assert np.isfinite(ours).all()
+    np.testing.assert_array_equal(ours.view(np.uint32), want.view(np.uint32))  # same bits: -0.0, NaN
+
+
+@pytest.mark.parametrize("qtype", list(F16_SCALES), ids=lambda q: q.name)
+def test_dequantize_non_finite_scales(qtype):
+    block_values, type_size = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 4, 1, np.random.default_rng(int(qtype)))
+    off = F16_SCALES[qtype][0]
+    for row, bad in [(1, np.inf), (2, -np.inf), (3, np.nan)]:
+        raw[row, off : off + 2] = np.array([bad], np.float16).view(np.uint8)
+    with np.errstate(invalid="ignore"):  # the reference warns on inf * 0
+        want = ref_dequantize(raw, qtype).astype(np.float32)
+    ours = dequantize(raw.reshape(-1), qtype).reshape(want.shape)
+    np.testing.assert_array_equal(ours, want)  # NaN where the reference has NaN, inf where it has inf
+    assert np.isfinite(ours[0]).all() and not np.isfinite(ours[3]).any()
 
 
 @pytest.mark.parametrize("qtype", list(QUANT_ATOL), ids=lambda q: q.name)
@@ -42,6 +116,27 @@ def test_dequantize_q4_0_by_hand():
     block[2:] = np.arange(16, dtype=np.uint8) | (15 - np.arange(16, dtype=np.uint8)) << 4
     want = 0.5 * (np.concatenate([np.arange(16), 15 - np.arange(16)]) - 8)
     np.testing.assert_array_equal(dequantize(block, QT.Q4_0), want.astype(np.float32))
+
+
+def test_dequantize_q4_k_by_hand():
+    """Sub-block 5 of a Q4_K block: its 6-bit scale and min are split over three bytes each."""
+    block = np.zeros(144, np.uint8)  # d, dmin, 12 scale bytes, 128 quant bytes
+    block[0:4] = np.array([1.0, 0.5], np.float16).view(np.uint8)  # d = 1, dmin = 0.5
+    scale, mn = 37, 50  # 0b10_0101, 0b11_0010: low 4 bits in byte 8 + 1, top 2 bits in bytes 1 and 5
+    block[4 + 9] = (scale & 0xF) | (mn & 0xF) << 4
+    block[4 + 1] = (scale >> 4) << 6
+    block[4 + 5] = (mn >> 4) << 6
+    block[16 + 64 : 16 + 96] = (np.arange(32) % 16 << 4).astype(np.uint8)  # sub-block 5: high nibbles of bytes 64..95
+    want = np.zeros(256, np.float32)
+    want[160:192] = 1.0 * scale * (np.arange(32) % 16) - 0.5 * mn
+    np.testing.assert_array_equal(dequantize(block, QT.Q4_K), want)
+
+
+def test_dequantize_refuses_unsupported_and_partial_blocks():
+    with pytest.raises(WeightsError, match="w.bin has unsupported quant type IQ2_XXS; supported: F32, F16"):
+        dequantize(np.zeros(66, np.uint8), QT.IQ2_XXS, "w.bin")
+    with pytest.raises(WeightsError, match="w.bin: 35 bytes is not a whole number of Q8_0 blocks"):
+        dequantize(np.zeros(35, np.uint8), QT.Q8_0, "w.bin")
 
 
 # --- tiny GGUF files written like llama.cpp ----------------------------------------------------------
@@ -69,7 +164,7 @@ def test_tiny_gguf_roundtrip_f32(tmp_path, preset, arch):
         np.testing.assert_array_equal(got[k], state[k], err_msg=k)
 
 
-@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [q for q in QUANT_ATOL if q != QT.F32], ids=lambda q: q.name)
 def test_tiny_gguf_roundtrip_quantized(tmp_path, qtype):
     cfg = PRESETS["tiny-gqa"].replace(dim=64, ffn_dim=96, head_dim=16)  # in-widths multiple of 32
     state = random_hf_state(cfg, seed=2)
@@ -105,6 +200,78 @@ def test_metadata_and_tensor_infos_match_gguf_reader(tmp_path):
             t.n_bytes,
         )
         np.testing.assert_array_equal(ours.raw(t.name), t.data.reshape(-1).view(np.uint8))
+
+
+# One file holding every supported type: tensors quantized by gguf.quants where it can quantize, random
+# valid blocks for the K-quants (gguf.quants only dequantizes those). In-widths are 256 where a K-quant goes.
+MIXED_CFG = PRESETS["tiny-qwen2"].replace(dim=256, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=64)
+MIXED_TYPES = {
+    "token_embd.weight": QT.Q6_K,
+    "output.weight": QT.Q5_K,
+    "blk.0.attn_q.weight": QT.Q4_K,
+    "blk.0.attn_k.weight": QT.Q3_K,
+    "blk.0.attn_v.weight": QT.Q2_K,
+    "blk.0.attn_output.weight": QT.Q4_0,
+    "blk.0.ffn_gate.weight": QT.Q5_0,
+    "blk.0.ffn_up.weight": QT.Q5_1,
+    "blk.0.ffn_down.weight": QT.Q8_0,
+    "blk.1.attn_q.weight": QT.Q4_1,
+    "blk.1.attn_k.weight": QT.F16,
+    "blk.1.attn_v.weight": QT.BF16,
+    "blk.1.attn_output.weight": QT.F32,
+    "blk.1.ffn_gate.weight": QT.Q6_K,
+    "blk.1.ffn_up.weight": QT.Q4_K,
+    "blk.1.ffn_down.weight": QT.Q5_1,
+}
+
+
+def write_mixed_gguf(path, seed: int = 0):
+    """MIXED_CFG as a qwen2 GGUF (no q/k permutation), 2-D weights in MIXED_TYPES, 1-D ones in F32."""
+    rng = np.random.default_rng(seed)
+    state = random_hf_state(MIXED_CFG, seed)
+    raw = {}
+    for hf in [k for k, x in state.items() if x.ndim == 2]:
+        x = state.pop(hf)
+        name, qtype = gguf_name(hf), MIXED_TYPES[gguf_name(hf)]
+        if qtype in F16_SCALES and qtype not in QUANT_ATOL:
+            block_values = GGML_QUANT_SIZES[qtype][0]
+            raw[name] = (random_blocks(qtype, x.shape[0], x.shape[1] // block_values, rng), qtype)
+        else:
+            raw[name] = (quantize(x, qtype), qtype)
+    return write_gguf(path, MIXED_CFG, state, arch="qwen2", raw_tensors=raw)
+
+
+def test_mixed_types_gguf_matches_gguf_reader_and_quants(tmp_path):
+    path = write_mixed_gguf(tmp_path / "mixed.gguf")
+    f = read_gguf(path)
+    assert {f.tensors[n].ggml_type for n in MIXED_TYPES} == set(FORMATS)
+    assert gguf_config(f, MIXED_CFG.name) == MIXED_CFG
+    state = gguf_state_dict(f)
+    by_gguf_name = {gguf_name(k): v for k, v in state.items()}
+    for t in gguf.GGUFReader(path).tensors:  # the reference reads the file on its own
+        want = ref_dequantize(t.data, t.tensor_type).astype(np.float32)  # [rows, row values]
+        np.testing.assert_array_equal(f.tensor(t.name).view(np.uint32), want.view(np.uint32), err_msg=t.name)
+        np.testing.assert_array_equal(by_gguf_name[t.name], want, err_msg=t.name)
+        qtype, blocks = f.raw_blocks(t.name)
+        assert qtype == t.tensor_type
+        np.testing.assert_array_equal(blocks, t.data.view(np.uint8).reshape(blocks.shape[0], -1), err_msg=t.name)
+
+
+def test_raw_blocks_shape(tmp_path):
+    cfg = MIXED_CFG
+    f = read_gguf(write_mixed_gguf(tmp_path / "mixed.gguf"))
+    cases = {  # name → (type, rows, bytes per row)
+        "token_embd.weight": (QT.Q6_K, cfg.vocab_size, 210),
+        "blk.0.attn_k.weight": (QT.Q3_K, cfg.kv_dim, 110),
+        "blk.0.ffn_down.weight": (QT.Q8_0, cfg.dim, cfg.ffn_dim // 32 * 34),
+        "blk.1.attn_output.weight": (QT.F32, cfg.dim, cfg.q_dim * 4),
+        "blk.0.attn_norm.weight": (QT.F32, 1, cfg.dim * 4),
+    }
+    for name, (qtype, rows, row_bytes) in cases.items():
+        got_type, blocks = f.raw_blocks(name)
+        assert (got_type, blocks.shape, blocks.dtype) == (qtype, (rows, row_bytes), np.uint8), name
+    with pytest.raises(WeightsError, match="mixed.gguf: missing tensor blk.9.attn_q.weight"):
+        f.raw_blocks("blk.9.attn_q.weight")
 
 
 # --- the real default model ----------------------------------------------------------------------
@@ -178,6 +345,34 @@ def test_truncated_file(tmp_path, tiny_gguf):
         assert str(p) in str(e.value)
 
 
+def _tensor_type_offset(data: bytes, name: str, n_dims: int) -> int:
+    """Byte offset of a tensor info's ggml type field: after its name (u64 length + bytes), n_dims, ne."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    return data.index(key) + len(key) + 4 + 8 * n_dims
+
+
+@pytest.mark.parametrize(
+    "name,new_type,error",
+    [  # the first tensor grows into the next one, the last one past the end of the file
+        ("token_embd.weight", QT.F32, "tensor 'token_embd.weight' runs into tensor 'output_norm.weight'"),
+        ("blk.2.ffn_norm.weight", QT.F64, "tensor 'blk.2.ffn_norm.weight' of F64 .* past the end of the file"),
+        ("blk.2.ffn_down.weight", QT.Q4_K, "tensor 'blk.2.ffn_down.weight' has invalid shape .* for type Q4_K"),
+    ],
+)
+def test_tensor_size_follows_from_type_and_shape(tmp_path, name, new_type, error):
+    cfg = PRESETS["tiny-gqa"].replace(dim=64, ffn_dim=96, head_dim=16)
+    data = write_gguf(tmp_path / "m.gguf", cfg, random_hf_state(cfg), qtype=QT.Q8_0).read_bytes()
+    f = read_gguf(tmp_path / "m.gguf")
+    assert max(f.tensors.values(), key=lambda t: t.offset).name == "blk.2.ffn_norm.weight"
+    assert min(f.tensors.values(), key=lambda t: t.offset).name == "token_embd.weight"
+    pos = _tensor_type_offset(data, name, len(f.tensors[name].shape))
+    assert struct.unpack_from("<I", data, pos)[0] == f.tensors[name].ggml_type
+    p = tmp_path / "retyped.gguf"
+    p.write_bytes(data[:pos] + struct.pack("<I", new_type) + data[pos + 4 :])
+    with pytest.raises(WeightsError, match="retyped.gguf: " + error):
+        read_gguf(p)
+
+
 def test_wrong_magic(tmp_path, tiny_gguf):
     p = tmp_path / "magic.gguf"
     p.write_bytes(b"GGML" + tiny_gguf.read_bytes()[4:])
@@ -192,14 +387,19 @@ def test_unsupported_architecture(tmp_path):
         gguf_config(f)
 
 
-def test_unsupported_quant_type(tmp_path):
+@pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.IQ4_XS, QT.TQ1_0, QT.MXFP4], ids=lambda q: q.name)
+def test_unsupported_quant_type(tmp_path, qtype):
     cfg = PRESETS["tiny-gqa"]
-    q6k = np.zeros((cfg.vocab_size, 210), np.uint8)  # one Q6_K block (256 values, 210 bytes) per row
-    path = write_gguf(tmp_path / "m.gguf", cfg, {}, raw_tensors={"token_embd.weight": (q6k, QT.Q6_K)})
-    f = read_gguf(path)
-    assert f.tensors["token_embd.weight"].shape == (cfg.vocab_size, 256)
-    with pytest.raises(WeightsError, match="token_embd.weight has unsupported quant type Q6_K"):
+    block_values, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = np.zeros((cfg.vocab_size, type_size), np.uint8)  # one block per row
+    path = write_gguf(tmp_path / "m.gguf", cfg, {}, raw_tensors={"token_embd.weight": (blocks, qtype)})
+    f = read_gguf(path)  # the header is fine: the size of every ggml type is known
+    assert f.tensors["token_embd.weight"].shape == (cfg.vocab_size, block_values)
+    match = f"m.gguf: tensor token_embd.weight has unsupported quant type {qtype.name}; supported: F32, F16, BF16, Q4_0"
+    with pytest.raises(WeightsError, match=match):
         f.tensor("token_embd.weight")
+    with pytest.raises(WeightsError, match=match):
+        f.raw_blocks("token_embd.weight")
 
 
 def test_missing_tensor(tmp_path):

@@ -1,12 +1,13 @@
-"""GGUF loader: a bounded container parser, vectorized dequantization, and the map to HF names.
+"""GGUF loader: a bounded container parser, the GGML block formats of `quant`, and the map to HF names.
 
 The header parser is our own rather than `gguf.GGUFReader`: GGUFReader loops over an array's stated
-element count without checking it against the file (a fuzzed count hangs it) and takes ~5 s on the
-default model's 98k tokenizer strings. Here every count and length is checked against the bytes that
-remain before anything is allocated, so a malformed file costs at most one pass over its header and
-fails with a `WeightsError`. Tensor data is never read at parse time: it stays in a read-only mmap
-until `GGUFFile.tensor` dequantizes it. The `gguf` package supplies the constants, and its reader and
-`gguf.quants` are the independent references in the tests.
+element count without checking it against the file (a fuzzed count hangs it) and builds several numpy
+objects per element, which is slow on the default model's 98k tokenizer strings. Here every count and
+length is checked against the bytes that remain before anything is allocated, so a malformed file
+costs at most one pass over its header and fails with a `WeightsError`. Tensor data is never read at
+parse time: it stays in a read-only mmap until `GGUFFile.tensor` dequantizes it or
+`GGUFFile.raw_blocks` hands out its blocks. The `gguf` package supplies the constants, and its reader
+and `gguf.quants` are the independent references in the tests.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 
 from jaxdecode.config import ModelConfig, RopeScaling
-from jaxdecode.weights import WeightsError, check_state_dict, make_config, open_map
+from jaxdecode.weights.checks import WeightsError, check_state_dict, make_config, open_map
+from jaxdecode.weights.quant import block_format, dequantize
 
-QT = GGMLQuantizationType
-SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
@@ -67,22 +67,33 @@ class GGUFFile:
     tensors: dict[str, GGUFTensorInfo]
     _buf: Any = field(default=None, repr=False)
 
+    def info(self, name: str) -> GGUFTensorInfo:
+        """One tensor's header entry; WeightsError if the file has no such tensor."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise WeightsError(f"{self.path}: missing tensor {name}")
+        return t
+
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of one tensor, a read-only uint8 view of the file."""
-        t = self.tensors[name]
+        t = self.info(name)
         return np.frombuffer(self._buf, np.uint8, t.n_bytes, t.offset)
 
     def tensor(self, name: str, dtype=np.float32) -> np.ndarray:
         """One tensor dequantized to `dtype`, in the file's (numpy-order) shape."""
-        t = self.tensors.get(name)
-        if t is None:
-            raise WeightsError(f"{self.path}: missing tensor {name}")
-        if t.ggml_type not in SUPPORTED_TYPES:
-            raise WeightsError(
-                f"{self.path}: tensor {name} has unsupported quant type {t.ggml_type.name}; "
-                f"supported: {', '.join(q.name for q in SUPPORTED_TYPES)}"
-            )
-        return dequantize(self.raw(name), t.ggml_type).reshape(t.shape).astype(dtype, copy=False)
+        t = self.info(name)
+        values = dequantize(self.raw(name), t.ggml_type, f"{self.path}: tensor {name}")
+        return values.reshape(t.shape).astype(dtype, copy=False)
+
+    def raw_blocks(self, name: str) -> tuple[GGMLQuantizationType, np.ndarray]:
+        """One tensor's type and stored blocks, not dequantized: uint8 [rows, bytes per row], a view of the file.
+
+        rows is the product of all but the last (numpy-order) dimension; `quant.FORMATS[type]` says how
+        to read a row. Unsupported types are a WeightsError, as in `tensor`.
+        """
+        t = self.info(name)
+        fmt = block_format(t.ggml_type, f"{self.path}: tensor {name}")
+        return t.ggml_type, self.raw(name).reshape(-1, fmt.row_bytes(t.shape[-1]))  # [rows, bytes per row]
 
 
 # --- container parsing ------------------------------------------------------------------------------
@@ -185,60 +196,30 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if name in tensors:
             raise WeightsError(f"{path}: duplicate tensor {name!r}")
         try:
-            qtype = QT(raw_type)
+            qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             raise WeightsError(f"{path}: tensor {name!r} has unknown ggml type {raw_type}") from None
         if min(ne) < 1 or ne[0] % block:
             raise WeightsError(f"{path}: tensor {name!r} has invalid shape {ne} for type {qtype.name}")
-        n_bytes = math.prod(ne) // block * type_size
+        n_bytes = math.prod(ne) // block * type_size  # the size follows from type and shape, never stated
         start = data_start + offset
-        if offset % alignment or start + n_bytes > size:
+        if offset % alignment:
+            raise WeightsError(f"{path}: tensor {name!r} data offset {offset} is not a multiple of {alignment}")
+        if start + n_bytes > size:
             raise WeightsError(
-                f"{path}: tensor {name!r} data at offset {offset} ({n_bytes} bytes) is misaligned "
-                f"or past the end of the file ({size} bytes): truncated or corrupt file"
+                f"{path}: tensor {name!r} of {qtype.name} {ne} needs {n_bytes} bytes at offset {start}, "
+                f"past the end of the file ({size} bytes): truncated or corrupt file"
             )
         tensors[name] = GGUFTensorInfo(name, qtype, tuple(reversed(ne)), start, n_bytes)
+    ordered = sorted(tensors.values(), key=lambda t: t.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.n_bytes > b.offset:
+            raise WeightsError(
+                f"{path}: tensor {a.name!r} runs into tensor {b.name!r}: its {a.n_bytes} bytes at offset {a.offset} "
+                f"end past offset {b.offset} (a wrong shape or type, or a corrupt file)"
+            )
     return GGUFFile(path, version, alignment, metadata, tensors, buf)
-
-
-# --- dequantization ---------------------------------------------------------------------------------
-
-
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """A little-endian float16 field at byte `start` of each block, as float32 [n_blocks, 1]."""
-    return blocks[:, start : start + 2].view("<f2").astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[n_blocks, 16] bytes → [n_blocks, 32] values: low nibbles are elements 0..15, high ones 16..31."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
-
-
-def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """Stored bytes (uint8, flat) of one tensor → flat float32 values. Vectorized over blocks."""
-    if qtype == QT.F32:
-        return raw.view("<f4").astype(np.float32)
-    if qtype == QT.F16:
-        return raw.view("<f2").astype(np.float32)
-    if qtype == QT.BF16:
-        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    type_size = GGML_QUANT_SIZES[qtype][1]
-    blocks = raw.reshape(-1, type_size)  # [n_blocks, type_size]
-    with np.errstate(invalid="ignore", over="ignore"):  # inf/nan scales stay inf/nan, silently
-        return _dequantize_blocks(blocks, qtype)
-
-
-def _dequantize_blocks(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    if qtype == QT.Q8_0:  # d: f16, qs: 32 x int8; x = d * q
-        out = _f16(blocks, 0) * blocks[:, 2:].view(np.int8).astype(np.float32)
-    elif qtype == QT.Q4_0:  # d: f16, qs: 16 bytes of nibbles; x = d * (q - 8)
-        out = _f16(blocks, 0) * (_nibbles(blocks[:, 2:]) - 8.0)
-    elif qtype == QT.Q4_1:  # d: f16, m: f16, qs: 16 bytes of nibbles; x = d * q + m
-        out = _f16(blocks, 0) * _nibbles(blocks[:, 4:]) + _f16(blocks, 2)
-    else:
-        raise WeightsError(f"unsupported quant type {qtype.name}")
-    return out.reshape(-1)  # [n_blocks * block]
 
 
 # --- config and HF names ----------------------------------------------------------------------------

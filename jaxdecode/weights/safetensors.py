@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxdecode.config import ModelConfig, RopeScaling
-from jaxdecode.weights import WeightsError, check_state_dict, make_config, open_map
+from jaxdecode.weights.checks import WeightsError, check_state_dict, make_config, open_map
 
 # safetensors dtype → numpy dtype (None: known, with its size, but not loadable as a float weight).
 _DTYPES: dict[str, tuple[Any, int]] = {
