@@ -19,14 +19,16 @@ RTOL = 1e-5  # f32; TP only reorders the sums of o_proj and down_proj (psum of t
 # -- the worker (runs in a subprocess with fake devices) --------------------------------------------
 
 
-def _compare(cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "slice", hooks=None) -> dict:
+def _compare(
+    cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "slice", hooks=None, tp_hooks=None
+) -> dict:
     from jaxdecode.decode import Engine
     from jaxdecode.model import init_random
 
     model = init_random(cfg, seed=5)
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
     one = Engine(model, loop_layers=loop, loop_mode=mode, hooks=hooks)
-    split = Engine(model, loop_layers=loop, loop_mode=mode, tp=tp, hooks=hooks)
+    split = Engine(model, loop_layers=loop, loop_mode=mode, tp=tp, hooks={**(hooks or {}), **(tp_hooks or {})})
     a, b = one.forward_logits(prompts), split.forward_logits(prompts)  # [B, T, V]
     out = {
         "rel": float(np.abs(a - b).max() / np.abs(a).max()),
@@ -54,9 +56,11 @@ def _random_in_place(cfg, tp: int) -> dict:
     return {"rel": float(np.abs(a - b).max() / np.abs(a).max()), "spread": float(a.std())}
 
 
-def _compare_with_hook(cfg, name: str, hook) -> dict:
-    """`_compare` over 2 devices in the in-place mode with the hook `name` replaced by `hook`, passed to
-    both engines through their public `hooks` argument."""
+def _compare_with_hook(cfg, name: str, hook, *, tp_only: bool = False) -> dict:
+    """`_compare` over 2 devices in the in-place mode with the hook `name` replaced by `hook`, passed
+    through the engines' public `hooks` argument: to both, or with `tp_only` to the 2-device engine."""
+    if tp_only:
+        return _compare(cfg, 2, loop=True, mode="inplace", tp_hooks={name: hook})
     return _compare(cfg, 2, loop=True, mode="inplace", hooks={name: hook})
 
 
@@ -114,7 +118,7 @@ def _compare_residual_norm(cfg) -> dict:
             ran.append(axis)
         return out
 
-    out = _compare_with_hook(cfg, "residual_norm", hook)  # bound to the mesh axis by the TP engine
+    out = _compare_with_hook(cfg, "residual_norm", hook, tp_only=True)  # bound to the mesh axis by the TP engine
     return {**out, "hook_axes": sorted(set(ran))}
 
 
@@ -333,8 +337,7 @@ def test_tp_scaling_dry_run_writes_every_tp(tmp_path):
 
 
 def test_heads_not_divisible_is_refused_with_the_numbers():
-    from jaxdecode.config import PRESETS
-    from jaxdecode.config import shard_config
+    from jaxdecode.config import PRESETS, shard_config
 
     with pytest.raises(
         ValueError,
@@ -399,7 +402,7 @@ def test_device_gap_chains_compute_the_same_on_one_device_and_two():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = """
 import json, numpy as np, jax
-from benchmarks import device_gap_gpu as d
+from benchmarks import gpu_trace as d
 d.SLAB = 256
 out = {}
 for s in ("one", "one_dev1", "two_jits", "shard2", "shard2_psum", "shard2+axis", "one+heavy", "shard2+heavy"):
