@@ -32,7 +32,6 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # XLA's dot-merger would fuse the timed calls that share a weight into one wider GEMM (seen on the
 # H200: "x @ W" at 2x the HBM ceiling). A decode step has nothing to merge, so turn it off here.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=dot-merger"
@@ -329,7 +328,7 @@ def bench_attention(quick: bool):
             if us is not None:
                 times[impl] = us
                 record("attention", sname, impl, us, a.kv_bytes, batch=b, cache_len=s)
-        del sets
+        sets = None  # freed before torch makes its own inputs
         if {"ours_async", "ours_sync", "ours_async_norecompute"} <= set(times):
             speed = dict(
                 with_fallback=times["ours_sync"] / times["ours_async"],
@@ -528,7 +527,7 @@ def bench_looped(quick: bool):
                 us = attempt(f"loop/{k}x{n}/m{m}/{impl}", lambda: time_jax(f, [(w,)], small, reps=reps))
                 if us is not None:
                     record("looped", f"L{layers}_k{k}_n{n}_m{m}", impl, us, nbytes, m=m)
-        del w
+        w = None  # freed before the next shape's weights
 
 
 def main():

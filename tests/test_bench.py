@@ -1,9 +1,15 @@
 """`jaxdecode bench` in suite mode on the CPU: the JSON rows are consistent, the plot is an image, and
-the peers compute what our engine computes (HF eager gives the same greedy tokens from the same weights)."""
+the peers compute what our engine computes (HF eager gives the same greedy tokens from the same weights);
+torch is needed only for the HF peers. benchmarks/ab.py: its variants become the engine's arguments, bad
+ones are refused, and its rows are consistent, in one process and in one per variant."""
 
 import contextlib
+import dataclasses
+import importlib.util
 import io
 import json
+import os
+import statistics
 import subprocess
 import sys
 
@@ -17,7 +23,9 @@ from jaxdecode.cli import main
 from jaxdecode.config import PRESETS
 from jaxdecode.cost import decode_cost
 from jaxdecode.decode import Engine
-from jaxdecode.model import init_random, load_state_dict
+from jaxdecode.looped_model import KERNEL_CALLS, TP_CALLS, kernel_stacked_dot
+from jaxdecode.model import Hook, init_random, load_state_dict
+from kernels.decode_attention import BlockSizes
 
 BATCHES, CONTEXT, PROMPT, STEPS = (1, 2), 32, 16, 8
 SYSTEMS = ("ours", "unrolled", "scan", "hf_eager")
@@ -224,3 +232,122 @@ def test_suite_runs_without_torch_and_hf_peers_name_the_extra():
     errors = [line for line in proc.stderr.splitlines() if line.startswith("jaxdecode: error:")]
     assert len(errors) == 1 and "torch" in errors[0] and "pip install 'jaxdecode[peers]'" in errors[0], errors
     assert proc.stderr.count("read ceiling") == 1  # the refused run measured nothing
+
+
+# -- benchmarks/ab.py: engine variants as data ---------------------------------------------------------
+
+AB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "ab.py")
+
+
+@pytest.fixture(scope="module")
+def ab():
+    """benchmarks/ab.py as a module (a script beside the packages, not one of them)."""
+    spec = importlib.util.spec_from_file_location("ab_script", AB)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_ab_variants_become_engine_arguments(ab):
+    """Each word of a variant lands in the engine's public arguments: hooks off (None), hooks with keywords
+    or block-size fields (partials of the default hook), the TP table under tp > 1, the dot hook, env."""
+    v = ab.parse_variant("qkv_attend=off rms_norm:num_warps=8 sdpa:block_sizes.num_warps=2")
+    hooks = v.engine_hooks()
+    assert hooks[Hook.QKV_ATTEND] is None and v.engine_stacked_dot() is None and not v.own_process
+    assert hooks[Hook.RMS_NORM].func is KERNEL_CALLS[Hook.RMS_NORM] and hooks[Hook.RMS_NORM].keywords == {
+        "num_warps": 8
+    }
+    assert hooks[Hook.SDPA].func is KERNEL_CALLS[Hook.SDPA]
+    assert hooks[Hook.SDPA].keywords == {"block_sizes": dataclasses.replace(BlockSizes(), num_warps=2)}
+    assert set(hooks) == {Hook.QKV_ATTEND, Hook.RMS_NORM, Hook.SDPA}  # the other hooks keep their defaults
+    one = ab.parse_variant("residual_norm:num_warps=8").engine_hooks()[Hook.RESIDUAL_NORM]
+    assert one.func is KERNEL_CALLS[Hook.RESIDUAL_NORM] and one.keywords == {"num_warps": 8}
+    tp = ab.parse_variant("tp=2 allreduce=psum residual_norm:all_reduce_norm=none")  # the TP hook of that name
+    assert (tp.tp, tp.allreduce) == (2, "psum")
+    assert tp.engine_hooks()[Hook.RESIDUAL_NORM].func is TP_CALLS[Hook.RESIDUAL_NORM]
+    off = ab.parse_variant("stacked_dot=off").engine_stacked_dot()
+    assert off(np.ones((1, 2)), np.ones((3, 2, 4)), 0, np.float32) is None  # the caller runs the plain dot
+    tiles = ab.parse_variant("stacked_dot:block_sizes.tile_n=128").engine_stacked_dot()
+    assert tiles.func is kernel_stacked_dot and tiles.keywords["block_sizes"].tile_n == 128
+    env = ab.parse_variant("xla:xla_gpu_enable_command_buffer= xla:xla_foo=1 env:NCCL_PROTO=LL")
+    assert env.env == {"XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_foo=1", "NCCL_PROTO": "LL"}
+    assert env.own_process and ab.parse_variant("base") == ab.Variant("base")
+    assert ab.parse_variant("unrolled").loop_layers is False
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("", "empty"),
+        ("base unrolled", "'base' stands alone"),
+        ("qkv=on", "cannot read 'qkv=on'"),
+        ("sdpa:block_sizes.nope=2", "has the fields"),
+        ("sdpa:nope=1", "KW one of impl, block_sizes"),
+        ("rms_norm:num_warps=x", "'x' is not of type int"),
+        ("rms_norm=off rms_norm:num_warps=8", "both off and set"),
+        ("unrolled rms_norm=off", "in-place loop mode only"),
+        ("allreduce=psum", "needs tp > 1"),
+        ("tp=0", "positive integer"),
+        ("tp=2 residual_norm:axis=x", "bound by the engine"),
+        ("tp=2 residual_norm:num_warps=8", "KW one of axis, allreduce_impl"),  # the TP hook's keywords
+    ],
+)
+def test_ab_bad_variant_exits_2_with_one_line(ab, spec, match, capsys):
+    assert ab.main(["--variant", "base", "--variant", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ab: error:") and match in err[0], err
+
+
+def _run_ab(tmp_path, *variants: str, extra=()) -> tuple[list[dict], dict]:
+    argv = ["--model", "tiny-gqa", "--batches", "1,2", "--contexts", "8", "--steps", "4", "--repeats", "3"]
+    argv += ["--ceiling-gib", "0.01", "--out", str(tmp_path), *extra]
+    for v in variants:
+        argv += ["--variant", v]
+    proc = subprocess.run([sys.executable, AB, *argv], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert (tmp_path / "ab.jsonl").read_text().splitlines() == lines
+    objs = [json.loads(line) for line in lines]
+    return objs[:-1], objs[-1]
+
+
+def test_ab_times_variants_in_one_process(tmp_path):
+    """Four variants on the same weights: a row per variant and batch, the median of the repeats, the
+    same greedy tokens as the first variant (every variant computes the same function in float32), and
+    the HLO counts tell the sliced scan (weight copies) from the unrolled layers (none)."""
+    variants = ("base", "unrolled", "loop_mode=inplace qkv_attend=off sdpa:block_sizes.num_warps=2", "base")
+    rows, summary = _run_ab(tmp_path, *variants, extra=["--hlo"])
+    assert [(r["index"], r["batch"]) for r in rows] == [(i, b) for i in range(4) for b in (1, 2)]
+    assert summary["summary"] is True and summary["errors"] == [] and summary["processes"] == "one"
+    assert list(summary["ms"]) == [f"{i}: {v}" for i, v in enumerate(variants)]
+    for r in rows:
+        assert r["variant"] == variants[r["index"]] and r["context"] == 8 and r["steps"] == 4
+        # ms and all_ms are rounded to 1e-4 ms, tok_s to 0.01, gb_s, pct_ceiling and the ceiling to 0.1
+        assert len(r["all_ms"]) == 3 and r["ms"] == pytest.approx(statistics.median(r["all_ms"]), abs=1e-4)
+        rel_ms = 0.5e-4 / r["ms"]
+        assert r["tok_s"] == pytest.approx(r["batch"] * 1e3 / r["ms"], rel=rel_ms, abs=0.005)
+        moved = decode_cost(PRESETS["tiny-gqa"], batch=r["batch"], context=8 + 16 + 4 // 2, itemsize=4).bytes
+        assert r["bytes_per_step"] == moved
+        gb_s = moved / (r["ms"] / 1e3) / 1e9
+        assert r["gb_s"] == pytest.approx(gb_s, rel=rel_ms, abs=0.05)
+        pct = 100 * gb_s / r["read_ceiling_gb_s"]
+        assert r["pct_ceiling"] == pytest.approx(pct, rel=rel_ms + 0.05 / r["read_ceiling_gb_s"], abs=0.05)
+        assert r["tokens_agree_with_first"] == (None if r["index"] == 0 else 1 + 4), r
+        assert summary["ms"][f"{r['index']}: {r['variant']}"][f"B{r['batch']} ctx8"] == r["ms"]
+    modes = {r["index"]: (r["loop_mode"], r["weight_copies"]) for r in rows}
+    assert modes[1] == ("unrolled", 0) and modes[2][0] == "inplace"
+    assert modes[0][0] == "slice" and modes[0][1] > 0  # the CPU's default loop slices W[l] out of the stacks
+
+
+def test_ab_variant_with_xla_flags_runs_in_its_own_process(tmp_path):
+    """An xla: word goes to XLA_FLAGS of a process of the variant's own: here 2 fake CPU devices, which
+    only that process has, so the tp=2 variant runs there; its greedy tokens equal one device's."""
+    rows, summary = _run_ab(tmp_path, "base", "tp=2 xla:xla_force_host_platform_device_count=2")
+    assert summary["processes"] == "one per variant" and summary["errors"] == []
+    assert [(r["index"], r["tp"], r["batch"]) for r in rows] == [(0, 1, 1), (0, 1, 2), (1, 2, 1), (1, 2, 2)]
+    assert rows[2]["allreduce"] == "kernel" and rows[2]["env"] == {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2"
+    }
+    assert [r["tokens_agree_with_first"] for r in rows] == [None, None, 5, 5]
