@@ -91,9 +91,11 @@ class Engine:
         hooks: Mapping[Hook | str, Callable | None] | None = None,
         stacked_dot: Callable | None = None,
     ):
-        self._plan = self._tp = None
+        # the forward the engine runs: over tp devices, or looped on one, or (both None) the model as written
+        self.tp_forward: TPForward | None = None
+        self.looped_forward: LoopedForward | None = None
         if not (isinstance(tp, int) and tp == 1):
-            self._tp = (
+            self.tp_forward = (
                 tp
                 if isinstance(tp, TPForward)
                 else TPForward.from_model(
@@ -105,18 +107,30 @@ class Engine:
                     stacked_dot=stacked_dot,
                 )
             )
-            self.cfg, self.loop_layers, self.graphdef = self._tp.cfg, self._tp.loop_layers, self._tp.graphdef
-            self.cache_dtype, self.params = cache_dtype or self._tp.dtype, self._tp.step_params
+            self.cfg, self.loop_layers, self.graphdef = (
+                self.tp_forward.cfg,
+                self.tp_forward.loop_layers,
+                self.tp_forward.graphdef,
+            )
+            self.cache_dtype, self.params = cache_dtype or self.tp_forward.dtype, self.tp_forward.step_params
         else:
             self._init_one_device(model, loop_layers, cache_dtype, loop_mode, hooks, stacked_dot)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampling",), donate_argnums=1)
-        self._chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
+        # (params, state, done_ids, pad; steps, sampling) -> (state, tokens [B, steps]): what `generate` runs
+        self.decode_chunk = jax.jit(self._chunk_fn, static_argnames=("steps", "sampling"), donate_argnums=1)
         self._executables: dict = {}  # ahead-of-time compiled steps, so that timings exclude compilation
+
+    @property
+    def loop_mode(self) -> str:
+        """How the layers run: a `looped_model.LOOP_MODES` entry, or "unrolled"."""
+        if not self.loop_layers:
+            return "unrolled"
+        return (self.tp_forward or self.looped_forward).mode
 
     @property
     def tp(self) -> int:
         """Devices the model is split over (1: not split)."""
-        return self._tp.tp if self._tp is not None else 1
+        return self.tp_forward.tp if self.tp_forward is not None else 1
 
     def _init_one_device(self, model: Transformer, loop_layers: bool, cache_dtype, loop_mode, hooks, stacked_dot):
         self.cfg = model.cfg
@@ -125,8 +139,10 @@ class Engine:
         self.cache_dtype = cache_dtype or model.embed_tokens.embedding.dtype
         if loop_layers:
             mode = loop_mode or default_loop_mode()
-            self._plan = LoopedForward(self.graphdef, params, self.cfg, mode=mode, hooks=hooks, stacked_dot=stacked_dot)
-            self.params = self._plan.pack_params(params)
+            self.looped_forward = LoopedForward(
+                self.graphdef, params, self.cfg, mode=mode, hooks=hooks, stacked_dot=stacked_dot
+            )
+            self.params = self.looped_forward.pack_params(params)
         else:
             self.params = params
 
@@ -151,13 +167,13 @@ class Engine:
         start = time.perf_counter()
         scratch: dict = {}
         prefill = lambda: self._compiled(self._prefill, *prefill_args, timings=scratch, sampling=sampling)  # noqa: E731
-        if chunk is None or self._tp is not None:
+        if chunk is None or self.tp_forward is not None:
             compiled = prefill(), None
         else:
             state, _ = jax.eval_shape(functools.partial(self._prefill, sampling=sampling), *prefill_args)
             pad = jax.ShapeDtypeStruct((), jnp.int32)
             step = lambda: self._compiled(
-                self._chunk,
+                self.decode_chunk,
                 prefill_args[0],
                 state,
                 prefill_args[-1],
@@ -175,18 +191,18 @@ class Engine:
 
     def forward(self, params, tokens: Array, positions: Array, cache):
         """Logits [B, T, V] and the new cache, for tokens and positions [B, T]."""
-        if self._tp is not None:
-            return self._tp.forward(params, tokens, positions, cache)
-        if self._plan is not None:
-            return self._plan.forward(params, tokens, positions, cache)
+        if self.tp_forward is not None:
+            return self.tp_forward.forward(params, tokens, positions, cache)
+        if self.looped_forward is not None:
+            return self.looped_forward.forward(params, tokens, positions, cache)
         logits, k, v = nnx.merge(self.graphdef, params)(tokens, positions, cache.k, cache.v)
         return logits, KVCache(k, v)
 
     def new_cache(self, batch: int, length: int):
-        if self._tp is not None:
-            return self._tp.new_cache(batch, length, self.cache_dtype)
+        if self.tp_forward is not None:
+            return self.tp_forward.new_cache(batch, length, self.cache_dtype)
         cache = KVCache.init(self.cfg, batch, length, self.cache_dtype)
-        return self._plan.pack_cache(cache) if self._plan is not None else cache
+        return self.looped_forward.pack_cache(cache) if self.looped_forward is not None else cache
 
     def _prefill_fn(self, params, cache, tokens, lengths, key, done_ids, sampling: SamplingParams):
         b, t = tokens.shape
@@ -267,7 +283,7 @@ class Engine:
         pad = jnp.int32(-1)
         if n_chunks and step_chunk is None:  # tensor parallel: compiled from the sharded state
             step_chunk = self._compiled(
-                self._chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk, sampling=sampling
+                self.decode_chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk, sampling=sampling
             )
         start = time.perf_counter()
         decoded = 0

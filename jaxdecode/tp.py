@@ -153,7 +153,7 @@ class TPForward:
         _, self._global_specs = nnx.split(nnx.eval_shape(lambda: Transformer(padded, dtype=dtype, rngs=nnx.Rngs(0))))
         self._local_specs = jax.tree.map(_spec, local_state)
         self._plans: dict[tuple, LoopPlan] = {}
-        self.layout = self._plan(1, 1, 1, jnp.float32).layouts[_PARAMS] if loop_layers else None
+        self.layout = self.plan(1, 1, 1, jnp.float32).layouts[_PARAMS] if loop_layers else None
         global_p, local_p = self._packed(self._global_specs), self._packed(self._local_specs)
         self.param_specs = jax.tree.map(lambda g, l: _partition(g.shape, l.shape), global_p, local_p)
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs)
@@ -256,7 +256,7 @@ class TPForward:
             logits = jax.lax.all_gather(logits, AXIS, axis=2, tiled=True)[..., : self.cfg.vocab_size]  # [B, T, V]
         return logits.astype(jnp.float32), new_k, new_v
 
-    def _plan(self, batch: int, tokens: int, cache_len: int, cache_dtype) -> LoopPlan:
+    def plan(self, batch: int, tokens: int, cache_len: int, cache_dtype) -> LoopPlan:
         """The loop plan of the per-device forward for one input shape (traced under the mesh axis)."""
         key = (batch, tokens, cache_len, jnp.dtype(cache_dtype).name)
         if key not in self._plans:
@@ -284,7 +284,7 @@ class TPForward:
         fn = self._local_forward
         if self.loop_layers:
             stack = cache.k.stacks[0]  # [L, B, S, K, H]
-            fn = self._plan(b, t, stack.shape[2], stack.dtype).looped
+            fn = self.plan(b, t, stack.shape[2], stack.dtype).looped
         kv_spec = jax.tree.map(lambda a: P(*(None,) * (a.ndim - 2), AXIS, None), (cache.k, cache.v))  # K axis
         params, comm = (params.weights, params.comm) if isinstance(params, TPParams) else (params, ())
         if len(comm) != len(self._comm):
@@ -307,7 +307,7 @@ class TPForward:
         def make():
             cache = KVCache.init(self.cfg, batch, length, dtype)
             if self.loop_layers:
-                layouts = self._plan(batch, 1, length, dtype).layouts
+                layouts = self.plan(batch, 1, length, dtype).layouts
                 cache = KVCache(Packed.pack(cache.k, layouts[_K]), Packed.pack(cache.v, layouts[_V]))
             return cache
 

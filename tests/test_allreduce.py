@@ -47,7 +47,7 @@ def _worker() -> dict:
     allreduce.on_hopper = lambda: True
     cfg = get_preset("tiny-gqa").replace(dim=128, head_dim=16)
     tp = TPForward.random(cfg, 2, dtype=jnp.bfloat16, loop_mode="inplace", allreduce="kernel")
-    plan = tp._plan(1, 1, 64, jnp.bfloat16)
+    plan = tp.plan(1, 1, 64, jnp.bfloat16)
     tokens = jnp.zeros((1, 1), jnp.int32)
     step_params = tp.step_params  # the weights and the barrier-free kernel's persistent buffers
     step = str(jax.make_jaxpr(tp.forward)(step_params, tokens, tokens, tp.new_cache(1, 64, jnp.bfloat16)))

@@ -25,7 +25,7 @@ from jaxdecode.looped_model import (
 )
 from jaxdecode.looping import SplitSum, StackedRef, kernel_loop
 from jaxdecode.looping.inplace import output_aliases
-from jaxdecode.model import init_random
+from jaxdecode.model import Hook, init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm import BlockSizes
 from kernels.flat_gemm_stream import StreamBlocks, flat_gemm_multi_reference
@@ -206,15 +206,19 @@ def _inplace_engine(
     qkv=None,
     norm=interpret_norm,
     residual_norm=None,
+    qkv_attend=None,
 ):
-    engine = Engine(model, loop_mode="inplace")
-    engine._plan._stacked_dot = dot  # the Pallas kernels in interpret mode (the CPU has no Mosaic GPU)
-    engine._plan._calls = (
-        {"sdpa": attention, "swiglu": swiglu, "rms_norm": norm}
-        | ({"qkv": qkv} if qkv else {})
-        | ({"residual_norm": residual_norm} if residual_norm else {})
-    )
-    return engine
+    """The in-place engine with the Pallas kernels in interpret mode (the CPU has no Mosaic GPU); a hook
+    given as None is off."""
+    hooks = {
+        Hook.SDPA: attention,
+        Hook.SWIGLU: swiglu,
+        Hook.RMS_NORM: norm,
+        Hook.QKV: qkv,
+        Hook.RESIDUAL_NORM: residual_norm,
+        Hook.QKV_ATTEND: qkv_attend,
+    }
+    return Engine(model, loop_mode="inplace", stacked_dot=dot, hooks=hooks)
 
 
 def test_engine_inplace_logits_equal_unrolled(tiny):
@@ -337,7 +341,7 @@ def test_engine_split_residual_norm_equals_unrolled(tiny):
 
 
 def test_engine_default_mode_is_per_backend(tiny):
-    assert Engine(tiny)._plan.mode == ("inplace" if jax.default_backend() == "gpu" else "slice")
+    assert Engine(tiny).loop_mode == ("inplace" if jax.default_backend() == "gpu" else "slice")
     graphdef, params = nnx.split(tiny)
     with pytest.raises(ValueError, match="loop mode"):
         LoopedForward(graphdef, params, tiny.cfg, mode="copy")

@@ -68,9 +68,7 @@ interpret_qkv_attend = functools.partial(
 
 
 def _engine(model, qkv_attend=interpret_qkv_attend):
-    engine = _inplace_engine(model, qkv=reference_qkv)
-    engine._plan._calls["qkv_attend"] = qkv_attend
-    return engine
+    return _inplace_engine(model, qkv=reference_qkv, qkv_attend=qkv_attend)
 
 
 def test_engine_qkv_attend_equals_unrolled(qkv_model):

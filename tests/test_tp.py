@@ -33,7 +33,7 @@ def _compare(
     out = {
         "rel": float(np.abs(a - b).max() / np.abs(a).max()),
         "shape": list(b.shape),
-        "scans": [r.length for r in split._tp._plan(2, 7, 7, np.float32).report.runs] if loop else [],
+        "scans": [r.length for r in split.tp_forward.plan(2, 7, 7, np.float32).report.runs] if loop else [],
     }
     if generate:  # greedy, through the cache and the on-device chunk loop (prompts of different lengths)
         rows = [prompts[0].tolist(), prompts[1, :4].tolist()]

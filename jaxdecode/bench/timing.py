@@ -75,7 +75,7 @@ def compiled_steps(engine: Engine) -> list:
 def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int, chunk: int = 32) -> Timing:
     """Prefill prompts [B, P] at positions context.. over a zero prefix, then greedy-decode in chunks.
 
-    The decode chunks are the engine's own jitted chunk function (`Engine._chunk`, the same step
+    The decode chunks are the engine's own jitted chunk function (`Engine.decode_chunk`, the same step
     `generate` runs); only the prefill differs from `generate`, which always starts at position 0.
     """
     b, p = prompts.shape
@@ -97,13 +97,13 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
     )  # [prefill, chunk]
 
     def compile_both(cache):
-        """Prefill and the decode chunk compiled at once, in two threads (as `Engine._compile_steps`);
+        """Prefill and the decode chunk compiled at once, in two threads (as `Engine.generate` does);
         with tensor parallelism the state's shardings come from running prefill, so jit compiles them."""
         if engine.tp > 1:
             compiled.extend(
                 [
                     prefill,
-                    lambda params, state, done_ids, pad: engine._chunk(
+                    lambda params, state, done_ids, pad: engine.decode_chunk(
                         params, state, done_ids, pad, steps=chunk, sampling=GREEDY
                     ),
                 ]
@@ -115,7 +115,7 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
         compiled.extend(
             compile_at_once(
                 lambda: prefill.lower(engine.params, cache, tokens, start).compile(),
-                lambda: engine._chunk.lower(
+                lambda: engine.decode_chunk.lower(
                     engine.params, state, done_ids, spec, steps=chunk, sampling=GREEDY
                 ).compile(),
             )
@@ -143,7 +143,4 @@ def time_engine(engine: Engine, prompts: np.ndarray, *, context: int, steps: int
 
 def loop_mode(engine: Engine) -> str:
     """How the engine runs its layers: a `looped_model.LOOP_MODES` entry, or "unrolled"."""
-    if not engine.loop_layers:
-        return "unrolled"
-    plan = engine._tp if engine._tp is not None else engine._plan
-    return plan.mode
+    return engine.loop_mode
