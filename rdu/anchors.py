@@ -29,41 +29,48 @@ class GPURow:
     allreduce: str = "psum"  # tensor parallel: NCCL's psum or our peer-to-peer kernel ("kernel")
 
 
-B = "BENCHMARKS.md 2026-11-30 (results_loop_gpu_8b_inplace.json)"
+B = "docs/log/2026-11-30.md (benchmarks/results/2026-11-30/loop_gpu_8b_inplace.json)"
 # The bench suite, one NVIDIA H200, `jaxdecode bench` (after q, k, v became one Stream-K kernel per layer);
 # the summary line of each file gives its end time and read ceiling.
-S = "BENCHMARKS.md 2026-11-30 08:57 UTC (benchmarks/results_bench_gpu_0857_8b.jsonl, read ceiling 4330 GB/s)"
-SQ = "BENCHMARKS.md 2026-11-30 08:58 UTC (benchmarks/results_bench_gpu_0857_qwen.jsonl, read ceiling 4348 GB/s)"
+S = (
+    "docs/log/2026-11-30.md 08:57 UTC (benchmarks/results/2026-11-30/bench_gpu_8b_stream_k.jsonl, "
+    "read ceiling 4330 GB/s)"
+)
+SQ = (
+    "docs/log/2026-11-30.md 08:58 UTC (benchmarks/results/2026-11-30/bench_gpu_qwen_stream_k.jsonl, "
+    "read ceiling 4348 GB/s)"
+)
 # A newer suite run of the engine (fewer glue kernels per layer): the in-place ("ours") rows. The unrolled
 # rows (H200_ROWS) stay on the run above (S, SQ).
-SI = "BENCHMARKS.md 2026-11-30 10:35 UTC (benchmarks/results_bench_gpu_8b.jsonl, read ceiling 4440 GB/s)"
-SIQ = "BENCHMARKS.md 2026-11-30 10:36 UTC (benchmarks/results_bench_gpu_qwen.jsonl, read ceiling 4383 GB/s)"
+SI = "docs/log/2026-11-30.md 10:35 UTC (benchmarks/results/2026-11-30/bench_gpu_8b.jsonl, read ceiling 4440 GB/s)"
+SIQ = "docs/log/2026-11-30.md 10:36 UTC (benchmarks/results/2026-11-30/bench_gpu_qwen.jsonl, read ceiling 4383 GB/s)"
 # Earlier bench runs, since overwritten in those files (kept as CONFLICTS alternatives only).
-SQ_OLD = "BENCHMARKS.md 2026-11-30 06:05 run (results_bench_gpu_qwen.jsonl of that time, since overwritten)"
-SQ2_OLD = "BENCHMARKS.md 2026-11-30 06:12 run (results_bench_gpu_qwen.jsonl of that time, since overwritten)"
-TPS = "BENCHMARKS.md 2026-11-30 (results_tp_gpu.json, benchmarks/tp_gpu.py)"
+SQ_OLD = "docs/log/2026-11-30.md 06:05 run (a bench_gpu_qwen.jsonl since overwritten)"
+SQ2_OLD = "docs/log/2026-11-30.md 06:12 run (a bench_gpu_qwen.jsonl since overwritten)"
+TPS = "docs/log/2026-11-30.md (benchmarks/results/2026-11-30/tp_gpu_psum.json)"
 TPS2 = (
-    "BENCHMARKS.md 2026-11-30 12:52 UTC, the current build (results_tp1_tp2_gpu.json: the mean of two "
-    "best-of-3 runs of 64 steps)"
+    "docs/log/2026-11-30.md 12:52 UTC, the current build (benchmarks/results/2026-11-30/tp1_tp2_gpu.json: "
+    "the mean of two best-of-3 runs of 64 steps)"
 )
-TPS3 = "BENCHMARKS.md 2026-11-30 14:30 UTC, the current build (results_tp_gpu_1430.json, benchmarks/tp_gpu.py)"
+TPS3 = "docs/log/2026-11-30.md 14:30 UTC, the current build (benchmarks/results/2026-11-30/tp_gpu_70b.json)"
 TPS4 = (
-    "BENCHMARKS.md 2026-11-30 15:09-15:11 UTC, TP2 with the peer-to-peer all-reduce kernel "
-    "(results_allreduce_decode_gpu.json, benchmarks/allreduce_kernel_gpu.py)"
+    "docs/log/2026-11-30.md 15:09-15:11 UTC, TP2 with the peer-to-peer all-reduce kernel "
+    "(benchmarks/results/2026-11-30/tp_decode_allreduce_kernel.json, allreduce_kernel_gpu.py in git history)"
 )
 TPS5 = (
-    "BENCHMARKS.md 2026-11-30 16:40-16:41 UTC, TP2 with the all-reduce kernel doing the residual add "
-    "(results_allreduce_decode_gpu_1641.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b)"
+    "docs/log/2026-11-30.md 16:40-16:41 UTC, TP2 with the all-reduce kernel doing the residual add "
+    "(benchmarks/results/2026-11-30/tp_decode_residual.json, "
+    "allreduce_kernel_gpu.py --decode-only --batch1 --70b, in git history)"
 )
 TPS6 = (
-    "BENCHMARKS.md 2026-11-30 19:31-19:33 UTC, with the q·k·v epilogue kernel (kernels/qkv_rope) "
-    "(results_allreduce_decode_gpu_1931.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b "
-    "--70b-kernel-only)"
+    "docs/log/2026-11-30.md 19:31-19:33 UTC, with the q·k·v epilogue kernel (kernels/qkv_rope) "
+    "(benchmarks/results/2026-11-30/tp_decode_qkv_rope.json, "
+    "allreduce_kernel_gpu.py --decode-only --batch1 --70b --70b-kernel-only, in git history)"
 )
 TPS7 = (
-    "BENCHMARKS.md 2026-11-30 21:33 UTC, with the MLP's RMSNorm in the TP2 all-reduce kernel "
-    "(results_allreduce_decode_gpu_2133.json, benchmarks/allreduce_kernel_gpu.py --decode-only --batch1 --70b "
-    "--70b-kernel-only)"
+    "docs/log/2026-11-30.md 21:33 UTC, with the MLP's RMSNorm in the TP2 all-reduce kernel "
+    "(benchmarks/results/2026-11-30/tp_decode.json, "
+    "allreduce_kernel_gpu.py --decode-only --batch1 --70b --70b-kernel-only, in git history)"
 )
 A = "h200-anchors.md"
 # Our H200 measurements, Llama-3.1-8B shape, bf16. Fit on the batch-1 rows and one batch-8 row (without
@@ -421,7 +428,7 @@ CONFLICTS = {
             0.71,
             "CUDA-timed, 32 calls per jit; the slope over sizes excludes per-call overheads the model counts apart",
             (
-                (0.71, "KERNELS_RESULTS.md: slope 3.06 TB/s / 4318 GB/s"),
+                (0.71, "docs/log/2026-11-30.md (kernel tables): slope 3.06 TB/s / 4318 GB/s"),
                 (0.265, A + ": 1124-1131 GB/s at B8 S32768 / B32 S8192, host clock over 50 dispatches"),
             ),
         ),

@@ -23,7 +23,7 @@ this mode does not charge. Per layer it runs:
   SwiGLU kernel for gate + up) and one each for o and down, reading the stacked weights [L, K, N]:
   bytes / (flat GEMM efficiency(M) * peak), with efficiency(M) = flat_gemm_efficiency *
   M ** -flat_gemm_m_exponent (M = batch rows: our Mosaic kernel's share of the bandwidth falls slowly
-  with M, benchmarks/KERNELS_RESULTS.md);
+  with M, docs/log/2026-11-30.md (kernel tables));
 - one split-K decode attention kernel over the stacked cache: KV bytes / (split_k_efficiency * peak);
 - the in-place KV-cache write and XLA's elementwise/reduction fusions between the kernels
   (norms, RoPE, residual adds), their bytes at the read ceiling;

@@ -246,7 +246,7 @@ H200 = GPUSpec(
         ),
         (
             "attention_efficiency",
-            "BENCHMARKS.md kernels (KERNELS_RESULTS.md): XLA einsum decode attention, time vs "
+            "docs/log/2026-11-30.md (kernel tables): XLA einsum decode attention, time vs "
             "K+V bytes over B1 S8192 / B1 S32768 / B32 S8192 (38.6, 71.5, 389 us) has slope "
             "3.06 TB/s = 71% of read (+28 us per call, the kernels' own overheads); "
             "h200-anchors.md's 26.5% is host-clock timed (rdu.anchors.CONFLICTS)",
@@ -261,17 +261,23 @@ H200 = GPUSpec(
             "allreduce_latency_s",
             "measured 2026-11-30 on 2 NVLink H200s: one jitted psum of [B, 4096] bf16 in a "
             "chain of 100 took 16.7-22.5 us (B = 1, 8; NCCL_PROTO=LL, XLA's one-shot kernel "
-            "and sync collectives did not beat it; benchmarks/results_allreduce_variants.json, "
-            "results_tp_gpu.json); 20 us taken",
+            "and sync collectives did not beat it; benchmarks/results/2026-11-30/allreduce_variants.json, "
+            "benchmarks/results/2026-11-30/tp_gpu_psum.json); 20 us taken",
         ),
         (
             "flat_gemm_efficiency",
-            "KERNELS_RESULTS.md: ours_mosaic_loop over [32, 4096, 14336] at M=1, 3064 GB/s = "
+            "docs/log/2026-11-30.md (kernel tables): ours_mosaic_loop over [32, 4096, 14336] at M=1, 3064 GB/s = "
             "0.64 of the 4.8 TB/s peak (the in-place mode's efficiencies are of the peak: the "
             "bench suite's KV-cache reads run past the jnp.sum ceiling)",
         ),
-        ("flat_gemm_m_exponent", "KERNELS_RESULTS.md: the same loop at M=8, 2857 GB/s: ln(3064/2857) / ln 8 = 0.034"),
-        ("split_k_efficiency", "KERNELS_RESULTS.md: ours_async decode attention B32 S8192, 3814 GB/s = 0.79 of peak"),
+        (
+            "flat_gemm_m_exponent",
+            "docs/log/2026-11-30.md (kernel tables): the same loop at M=8, 2857 GB/s: ln(3064/2857) / ln 8 = 0.034",
+        ),
+        (
+            "split_k_efficiency",
+            "docs/log/2026-11-30.md (kernel tables): ours_async decode attention B32 S8192, 3814 GB/s = 0.79 of peak",
+        ),
         (
             "inplace_kernel_gap_s",
             "assumed 3 us, as kernel_overhead_s: the fixed cost of each kernel inside the "
@@ -282,7 +288,7 @@ H200 = GPUSpec(
             "measured 2026-11-30 16:37 UTC on 2 NVLink H200s: kernels.allreduce's barrier-free "
             "kernel (with the residual add) inside a TP2 Llama-3.1-8B batch-1 decode step (profiler, "
             "GPU 0) runs 3.7-4.2 us after attention and 5.4-6.5 us after the MLP, where it also waits "
-            "for the slower GPU (benchmarks/results_tp_profile_gpu_1637.json); their mean, 5.0 us, "
+            "for the slower GPU (benchmarks/results/2026-11-30/tp_profile_residual.json); their mean, 5.0 us, "
             "taken. H200 only: not measured on an H100",
         ),
     ),

@@ -245,14 +245,14 @@ def rows(constants: str = "published") -> list[Row]:
                 f"2x H200 tensor parallel, {name} batch {b}, ms/token",
                 measured,
                 e.ms_per_token,
-                "BENCHMARKS.md 2026-11-30 (benchmarks/results_tp_gpu.json)",
+                "docs/log/2026-11-30.md (benchmarks/results/2026-11-30/tp_gpu_psum.json)",
                 bound_pct=15,
             )
         )
     return out
 
 
-# (model, batch, measured ms/token) of `python benchmarks/tp_gpu.py` on 2 H200s (BENCHMARKS.md).
+# (model, batch, measured ms/token) of the TP scaling runs on 2 H200s (docs/log/2026-11-30.md).
 TP2_MEASURED_MS = (
     ("llama-3.1-8b", 1, 4.832),
     ("llama-3.1-8b", 8, 5.229),

@@ -44,7 +44,7 @@ def test_shipped_h200_table_is_consistent_with_its_timings():
     table, where = dispatch.table_for(H200)
     assert where == "kernels/tables/h200.json" and table.device_kind == "NVIDIA H200"
     raw = json.loads((dispatch.TABLES_DIR / "h200.json").read_text())
-    assert "KERNELS_RESULTS.md" in raw["source"] and "2026-11-30" in raw["source"]
+    assert "docs/log/2026-11-30.md" in raw["source"] and "kernels_bench.py" in raw["source"]
     for e in raw["gemm"]:
         timings = {i: {int(m): us for m, us in t.items()} for i, t in e["timings_us"].items()}
         points = tune.inflection_points(timings, raw["ms"], raw["margin"])
