@@ -13,7 +13,7 @@ over M = 1, 2, 4, ..., 128, then walks M upwards as the paper does:
 
 An incumbent keeps its place within the margin (run-to-run noise on the H200 was a few %), so a
 tie does not flip the table. XLA's dot is a contender from M = 1 on: on the H200 it beat every kernel
-called once per step (docs/log/2026-11-30.md (kernel tables)), which gives M1 = M2 = 1. The attention entry is the
+called once per step (docs/log/2026-11-30.md, kernel tables), which gives M1 = M2 = 1. The attention entry is the
 fastest of async / sync / XLA by the same rule, over a few decode shapes.
 
 `python -m kernels.tune --out PATH` (or `jaxdecode tune --out PATH`) writes the table for the current

@@ -230,7 +230,7 @@ def test_kernel_with_residual_equals_psum_then_add_on_gpus(batch):
     residual and each partial halved plus a device-dependent bump: equal to the host's replay with a
     bf16 rounding after every op. (XLA's psum in such a loop is not a reference: on the H200 it drifts
     from the per-op rounding from the second step on, with or without XLA's excess precision, while
-    the kernel, and the kernel followed by an XLA add, match the replay exactly; measured 2026-11-30.)"""
+    the kernel, and the kernel followed by an XLA add, match the replay exactly; docs/log/2026-11-30.md.)"""
     from jax.sharding import PartitionSpec as P
 
     from jaxdecode.tp import AXIS, make_mesh

@@ -69,7 +69,6 @@ def _compare_qkv_attend(cfg) -> dict:
     partials), on 2 devices and on one: the kernel writes each device's shard of the carried caches."""
     import functools
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from jaxdecode import looped_model
     from kernels.decode_attention import BlockSizes as AttentionBlocks
     from kernels.flat_gemm_stream import StreamBlocks
@@ -192,7 +191,11 @@ def worker(devices: int) -> dict:
 
 
 def _launch(devices: int) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the worker imports `tests.*`
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=path
+    )
     return subprocess.Popen(
         [sys.executable, __file__, str(devices)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -22,7 +22,7 @@ What runs where: both kernels are `pl.pallas_call` kernels. On the GPU they lowe
 Pallas-Triton, which jax 0.11 deprecates; a Mosaic GPU port (as kernels/flat_gemm.py has) is open
 debt. On the CPU the same kernel bodies run with `interpret=True`; that is what CI tests.
 On an H200 the fallback's second launch costs more per call than the unified max saves, even when no
-row is flagged; without it the async kernel ties the sync one (docs/log/2026-11-30.md (kernel tables)), so
+row is flagged; without it the async kernel ties the sync one (docs/log/2026-11-30.md, kernel tables), so
 the dispatch table picks the synchronized kernel there (kernels/tables/h200.json).
 
 This file holds the two kernel bodies, their pallas_call wrapper over the grid (B, K, splits), the
