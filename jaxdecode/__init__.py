@@ -10,9 +10,9 @@ Dimension key, used in every shape comment and einsum in the project:
     V  vocab                     L  layers
 """
 
-from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling, get_preset
+from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling, TensorParallel, get_preset
 from jaxdecode.decode import DecodeState, Engine, Generation
-from jaxdecode.model import Transformer, init_random, load_state_dict
+from jaxdecode.model import Hook, Transformer, init_random, load_state_dict
 from jaxdecode.sampling import SamplingParams
 
 __all__ = [
@@ -20,10 +20,12 @@ __all__ = [
     "PRESETS",
     "ModelConfig",
     "RopeScaling",
+    "TensorParallel",
     "get_preset",
     "DecodeState",
     "Engine",
     "Generation",
+    "Hook",
     "Transformer",
     "init_random",
     "load_state_dict",
