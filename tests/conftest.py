@@ -1,4 +1,4 @@
-"""Test-wide settings: CPU, f32 matmuls at full precision, strict dtype promotion."""
+"""Test-wide settings: CPU, f32 matmuls at full precision, strict dtype promotion, one worker per core."""
 
 import os
 
@@ -7,5 +7,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
+import torch  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Mixed dtypes must be cast on purpose: an implicit int/float or f32/bf16 promotion raises.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+# pytest-xdist runs one worker per core: a second torch thread per worker only waits for a busy core.
+torch.set_num_threads(1)
+
+MAX_WORKERS = 4  # each worker holds its own JAX, torch and copies of the default model (a few GB)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core, up to MAX_WORKERS, on the CPU; no workers when
+    JAX may use a GPU, whose memory each process would preallocate. PYTEST_XDIST_AUTO_NUM_WORKERS wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    if os.environ["JAX_PLATFORMS"] != "cpu":
+        return 0
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)

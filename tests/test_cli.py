@@ -79,12 +79,13 @@ def test_real_process_prints_no_traceback():
     assert proc.stderr.strip().splitlines() == ["jaxdecode: error: top_k must be an integer >= 0, got -1"]
 
 
-def test_help_on_every_command():
+def test_help_on_every_command(capsys):
+    """In process: argparse prints the usage and exits 0 (the real process is test_real_process_prints_no_traceback)."""
     for cmd in ([], ["generate"], ["chat"], ["bench"], ["loop-report"], ["rdu"], ["tune"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "jaxdecode.cli", *cmd, "--help"], capture_output=True, text=True, timeout=120
-        )
-        assert proc.returncode == 0 and "usage: jaxdecode" in proc.stdout
+        with pytest.raises(SystemExit) as exit_info:
+            main([*cmd, "--help"])
+        out, _ = capsys.readouterr()
+        assert exit_info.value.code == 0 and "usage: jaxdecode" in out, cmd
 
 
 def test_compile_cache_is_filled_and_reused(tmp_path):

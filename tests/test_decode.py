@@ -1,5 +1,7 @@
 """Cached decode equals the full forward pass; batched generation equals one-by-one; EOS masking."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -29,14 +31,13 @@ def test_cached_decode_equals_full_forward(engine):
 
 
 def test_cached_step_logits_equal_full_forward_logits(engine):
-    import jax.numpy as jnp
-
     prompt = _prompts()[1]
     full = engine.forward_logits(np.array([prompt]))  # [1, T, V]
     cache = engine.new_cache(1, 64)
+    step = jax.jit(engine.forward)  # one compiled step for every position, as the decode loop runs it
     stepped = []
     for pos, tok in enumerate(prompt):
-        logits, cache = engine.forward(engine.params, jnp.array([[tok]]), jnp.array([[pos]]), cache)
+        logits, cache = step(engine.params, jnp.array([[tok]], jnp.int32), jnp.array([[pos]], jnp.int32), cache)
         stepped.append(np.asarray(logits[0, 0]))
     np.testing.assert_allclose(np.stack(stepped), full[0], rtol=1e-5, atol=1e-5)
 

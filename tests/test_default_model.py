@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import hf_greedy
 
 from jaxdecode.decode import Engine
 from jaxdecode.loading import load_model
@@ -42,16 +43,7 @@ def test_greedy_tokens_equal_transformers(ours, hf, text, chat):
     loaded, engine = ours
     ids = _prompt_ids(loaded.tokenizer, text, chat)
     got = engine.generate([ids], max_new_tokens=NEW_TOKENS).token_ids[0]
-    assert got == _hf_greedy(hf, ids, NEW_TOKENS)
-
-
-def _hf_greedy(model, ids, n):
-    """Greedy decoding with plain HF forward passes (no stopping at end tokens, like the engine without eos_ids)."""
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids) :]
+    assert got == hf_greedy(hf, ids, NEW_TOKENS)
 
 
 def test_first_step_logits_equal_transformers(ours, hf):

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hf_reference import hf_logits, hf_model, state_dict_numpy
+from helpers import hf_logits, hf_model, state_dict_numpy
 
 from jaxdecode.config import PRESETS, TINY_PRESETS
 from jaxdecode.decode import Engine

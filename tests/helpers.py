@@ -1,7 +1,10 @@
-"""Helpers for the loader tests: random HF-named weights and tiny GGUF files written as llama.cpp does.
+"""Shared test helpers: the independent references the tests compare against.
 
-The name table and the q/k permutation here are written out independently of jaxdecode.weights, from
-llama.cpp's convert_hf_to_gguf.py, so that the loader is checked against a second implementation.
+- Hugging Face transformers models (PyTorch, CPU) that mirror our tiny configs, their logits, and greedy
+  decoding with HF's own KV cache.
+- Random HF-named weights and tiny GGUF files written as llama.cpp does. The name table and the q/k
+  permutation are written out independently of jaxdecode.weights, from llama.cpp's convert_hf_to_gguf.py,
+  so that the loader is checked against a second implementation.
 """
 
 from __future__ import annotations
@@ -11,10 +14,54 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
+from jaxdecode.bench.peers import hf_config
 from jaxdecode.config import ModelConfig
+
+# -- Hugging Face reference models ------------------------------------------------------------------
+
+
+def hf_model(cfg: ModelConfig, seed: int = 0):
+    """A random HF model for cfg, every parameter (norms and biases too) drawn at random."""
+    torch.manual_seed(seed)
+    config = hf_config(cfg)
+    model = Qwen2ForCausalLM(config) if cfg.qkv_bias else LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def state_dict_numpy(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.float().numpy()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after ids: HF's prefill, then one HF forward per token over its own KV cache, with
+    no stopping at end tokens, like the engine without eos_ids."""
+    new = []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        while True:
+            new.append(int(out.logits[0, -1].argmax()))
+            if len(new) == n:
+                return new
+            out = model(torch.tensor([new[-1:]]), cache=out.cache, use_cache=True)
+
+
+# -- weight files written as llama.cpp writes them ---------------------------------------------------
 
 SMOLLM_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab", "Ġ", "Ġab", "1", "é"]
 SMOLLM_MERGES = ["a b", "Ġ ab"]
