@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import SMOLLM_TOKENS, random_hf_state, write_gguf
 
 from jaxdecode.cli import main
+from jaxdecode.config import ModelConfig
 from jaxdecode.weights.gguf import default_model_path
 
 
@@ -90,14 +92,19 @@ def test_help_on_every_command(capsys):
 
 def test_compile_cache_is_filled_and_reused(tmp_path):
     """--compile-cache: the first run writes compiled programs there; a second process with the same
-    model and shapes reads them back and generates the same tokens."""
+    model and shapes reads them back and generates the same tokens. The model is a tiny GGUF file with
+    the test tokenizer (the cache is under test, not the model)."""
+    cfg = ModelConfig("tiny-cache", len(SMOLLM_TOKENS), 48, 2, 4, 2, 80, max_seq_len=64)
+    model = write_gguf(tmp_path / "tiny.gguf", cfg, random_hf_state(cfg))
     cache = tmp_path / "xla-cache"
     argv = [
         sys.executable,
         "-m",
         "jaxdecode.cli",
         "generate",
-        "The capital of France is",
+        "ab ab",
+        "--model",
+        str(model),
         "--max-new-tokens",
         "6",
         "--json",

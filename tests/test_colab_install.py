@@ -57,6 +57,9 @@ def test_install_cell_in_a_fresh_environment(tmp_path):
     python = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "UV_"))}
     env.update(JAXDECODE_SOURCE=ROOT.as_uri(), JAX_PLATFORMS="cpu", PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
+    # pip byte-compiles every file it installs, most of the install's CPU time; what gets installed, and
+    # whether it imports and runs, does not depend on it (Python compiles what it imports).
+    env["PIP_COMPILE"] = "false"
     # Before the cell runs: nothing of ours, no JAX.
     probe = "import importlib.util as u; print(u.find_spec('jaxdecode'), u.find_spec('jax'))"
     before = subprocess.run([python, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
