@@ -1,19 +1,20 @@
-"""Test-wide settings: CPU, f32 matmuls at full precision, strict dtype promotion, one worker per core."""
+"""Test-wide settings: CPU, f32 matmuls at full precision, strict dtype promotion, one xdist worker per core."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core: a second torch (OpenMP) or BLAS thread per worker, or per process it starts, only
+    # waits for a busy core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax  # noqa: E402
-import torch  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Mixed dtypes must be cast on purpose: an implicit int/float or f32/bf16 promotion raises.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
-# pytest-xdist runs one worker per core: a second torch thread per worker only waits for a busy core.
-torch.set_num_threads(1)
 
 MAX_WORKERS = 4  # each worker holds its own JAX, torch and copies of the default model (a few GB)
 

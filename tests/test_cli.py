@@ -65,9 +65,16 @@ def test_bad_gguf_exits_2(tmp_path, mutate, match, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and match in err.lower(), err
 
 
-def test_prompt_longer_than_context_exits_2(capsys):
-    code, _, err = _run(["generate", "word " * 9000, "--max-new-tokens", "4"], capsys)
-    assert code == 2 and "exceeds the model's context of 8192" in err
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny random model in a GGUF file with the test tokenizer, for the paths that need no real model."""
+    cfg = ModelConfig("tiny-cli", len(SMOLLM_TOKENS), 48, 2, 4, 2, 80, max_seq_len=64)
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", cfg, random_hf_state(cfg))
+
+
+def test_prompt_longer_than_context_exits_2(tiny_gguf, capsys):
+    code, _, err = _run(["generate", "ab " * 70, "--model", str(tiny_gguf), "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "exceeds the model's context of 64" in err
 
 
 def test_real_process_prints_no_traceback():
@@ -90,12 +97,9 @@ def test_help_on_every_command(capsys):
         assert exit_info.value.code == 0 and "usage: jaxdecode" in out, cmd
 
 
-def test_compile_cache_is_filled_and_reused(tmp_path):
+def test_compile_cache_is_filled_and_reused(tmp_path, tiny_gguf):
     """--compile-cache: the first run writes compiled programs there; a second process with the same
-    model and shapes reads them back and generates the same tokens. The model is a tiny GGUF file with
-    the test tokenizer (the cache is under test, not the model)."""
-    cfg = ModelConfig("tiny-cache", len(SMOLLM_TOKENS), 48, 2, 4, 2, 80, max_seq_len=64)
-    model = write_gguf(tmp_path / "tiny.gguf", cfg, random_hf_state(cfg))
+    model and shapes reads them back and generates the same tokens (the cache is under test, not the model)."""
     cache = tmp_path / "xla-cache"
     argv = [
         sys.executable,
@@ -104,7 +108,7 @@ def test_compile_cache_is_filled_and_reused(tmp_path):
         "generate",
         "ab ab",
         "--model",
-        str(model),
+        str(tiny_gguf),
         "--max-new-tokens",
         "6",
         "--json",
