@@ -16,6 +16,10 @@ def engine(request):
     return Engine(init_random(PRESETS["tiny-gqa"], seed=3), loop_layers=request.param)
 
 
+# Most tests share the shapes of test_batched_generation_equals_one_by_one (prompts padded to 16 tokens, a
+# 64-row cache, chunks of 8), so that the module's engines compile them once.
+
+
 def _prompts(n_tokens=(7, 12, 3), vocab=97, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).tolist() for n in n_tokens]
@@ -23,7 +27,7 @@ def _prompts(n_tokens=(7, 12, 3), vocab=97, seed=0):
 
 def test_cached_decode_equals_full_forward(engine):
     prompt = _prompts()[0]
-    gen = engine.generate([prompt], max_new_tokens=24, chunk=5)
+    gen = engine.generate([prompt], max_new_tokens=24, chunk=8)
     seq = prompt + gen.token_ids[0]
     full = engine.forward_logits(np.array([seq[:-1]]))  # [1, T, V]
     # Greedy decoding picked the argmax of the full-sequence logits at every generated position.
@@ -61,9 +65,9 @@ def test_sampled_generation_is_seeded_and_batch_independent(engine):
 
 def test_eos_stops_a_sequence_and_masks_the_rest(engine):
     prompts = _prompts()
-    free = engine.generate(prompts, max_new_tokens=16, chunk=4)
+    free = engine.generate(prompts, max_new_tokens=20, chunk=8)
     eos = free.token_ids[0][5]  # a token the first sequence emits at step 5
-    gen = engine.generate(prompts, max_new_tokens=16, chunk=4, eos_ids=[eos])
+    gen = engine.generate(prompts, max_new_tokens=20, chunk=8, eos_ids=[eos])
     for free_row, row in zip(free.token_ids, gen.token_ids):
         cut = free_row.index(eos) + 1 if eos in free_row else len(free_row)
         assert row == free_row[:cut]
@@ -74,7 +78,7 @@ def test_chunks_stream_in_order(engine):
     chunks = list(engine.generate_stream([prompt], max_new_tokens=10, chunk=4))
     assert [c.shape[1] for c in chunks] == [1, 4, 4, 1]
     streamed = np.concatenate(chunks, axis=1)[0].tolist()
-    assert streamed == engine.generate([prompt], max_new_tokens=10, chunk=3).token_ids[0]
+    assert streamed == engine.generate([prompt], max_new_tokens=10, chunk=8).token_ids[0]
 
 
 @pytest.mark.parametrize(
