@@ -30,7 +30,7 @@ def hf(tmp_path_factory):
     path = default_model_path()
     folder = tmp_path_factory.mktemp("gguf")
     os.symlink(path, folder / path.name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
 
 
