@@ -15,21 +15,12 @@ import math
 from dataclasses import dataclass
 
 from jaxdecode.config import get_preset
+from rdu.anchors import CONFLICTS, H200_ROWS, KL_MODELS
 from rdu.gpu import gpu_estimate
 from rdu.hardware import GIB, gpu, sn40l
 from rdu.mapping import ModelDoesNotFit, map_decode
 from rdu.simulate import simulate_rdu
 from rdu.trace import trace_decode_step
-
-KL_MODELS = (
-    "qwen2.5-0.5b",
-    "llama-3.2-1b",
-    "llama-3.2-3b",
-    "llama-3.1-8b",
-    "llama-3.1-70b",
-    "qwen2.5-72b",
-    "llama-3.1-405b",
-)
 
 
 @dataclass(frozen=True)
@@ -283,7 +274,6 @@ def table(rs: list[Row] | None = None) -> str:
 def h200_rows(constants: str = "published") -> list[Row]:
     """Our measured H200 step times (BENCHMARKS.md and h200-anchors.md; the rows rdu.fit uses) against
     the GPU mode of the reference simulator; `kind` says whether rdu.fit trained on the row."""
-    from rdu.anchors import H200_ROWS
 
     cfg = get_preset("llama-3.1-8b")
     spec = gpu("h200", constants)
@@ -328,7 +318,6 @@ def predict_tp(
 def spread_rows(constants: str = "published") -> list[dict]:
     """The model under each alternative of every conflicting anchor (rdu.anchors.CONFLICTS): for a
     hardware constant, the estimate it gives; for a measured row, the model's Δ% against each value."""
-    from rdu.anchors import CONFLICTS
 
     cfg8 = get_preset("llama-3.1-8b")
     out = []
@@ -405,7 +394,6 @@ def spread_rows(constants: str = "published") -> list[dict]:
 
 
 def spread_table(rs: list[dict]) -> str:
-    from rdu.anchors import CONFLICTS
 
     lines = ["conflicting anchors (rdu.anchors.CONFLICTS): the model under each published value (* = chosen)"]
     for r in rs:
