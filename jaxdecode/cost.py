@@ -4,7 +4,8 @@ Symbols follow the dimension key: B batch, S context (tokens already in the cach
 N query heads, K kv heads, H head dim, F ffn width, V vocab, L layers, and `w` bytes per element.
 
 Per step, for the whole batch:
-- weight bytes read   = w * (L * P_layer + D + V*D [lm head, or the tied embedding] + B*D [embedding rows])
+- weight bytes read   = w * (L * P_layer + D + V*D [lm head, or the tied embedding] + B*D [embedding rows]);
+                        quantized, the projections and V*D at their codes' bits plus a scale per group
 - KV bytes read       = w * 2 * L * B * S * K * H
 - KV bytes written    = w * 2 * L * B * K * H
 - matmul FLOPs        = 2 * B * (L * P_matmul_layer + V*D)
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxdecode.config import ModelConfig
+from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS
 
 GIB = 2**30
 
@@ -54,14 +56,35 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
     return cfg.dim * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
 
 
-def decode_cost(cfg: ModelConfig, *, batch: int = 1, context: int = 4096, itemsize: int = 2) -> DecodeCost:
-    """FLOPs and bytes of one decode step at `context` cached tokens (formulas in the module docstring)."""
+def quantized_bytes(params: int, quantize: str, group: int = DEFAULT_GROUP) -> int:
+    """Bytes of `params` weights quantized by `jaxdecode.quantized.quantize`: the codes and a float32 scale
+    per group (a width the group does not divide takes a smaller group there; counted at `group`)."""
+    return params * QUANTIZE_FORMATS[quantize] // 8 + params // group * 4
+
+
+def decode_cost(
+    cfg: ModelConfig,
+    *,
+    batch: int = 1,
+    context: int = 4096,
+    itemsize: int = 2,
+    quantize: str | None = None,
+    group: int = DEFAULT_GROUP,
+) -> DecodeCost:
+    """FLOPs and bytes of one decode step at `context` cached tokens (formulas in the module docstring).
+    `quantize` ("int8" | "int4"): the projections and the output projection (lm_head or the tied table)
+    are read as `model.quantize_weights` stores them; norms, the cache and the activations stay at `itemsize`."""
     if batch < 1 or context < 0:
         raise ValueError(f"need batch >= 1 and context >= 0, got batch={batch}, context={context}")
     kv_row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # K and V elements per token per sequence
-    weights = cfg.n_layers * cfg.layer_params + cfg.dim + cfg.vocab_size * cfg.dim + batch * cfg.dim
+    projections = cfg.n_layers * matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.dim
+    rest = cfg.n_layers * (cfg.layer_params - matmul_params_per_layer(cfg)) + cfg.dim + batch * cfg.dim
+    if quantize is None:
+        weight_bytes = itemsize * (projections + rest)
+    else:
+        weight_bytes = quantized_bytes(projections, quantize, group) + itemsize * rest
     return DecodeCost(
-        weight_bytes=itemsize * weights,
+        weight_bytes=weight_bytes,
         kv_read_bytes=itemsize * batch * context * kv_row,
         kv_write_bytes=itemsize * batch * kv_row,
         matmul_flops=2 * batch * (cfg.n_layers * matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.dim),

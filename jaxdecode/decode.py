@@ -136,7 +136,7 @@ class Engine:
         self.cfg = model.cfg
         self.loop_layers = loop_layers
         self.graphdef, params = nnx.split(model)
-        self.cache_dtype = cache_dtype or model.embed_tokens.embedding.dtype
+        self.cache_dtype = cache_dtype or model.embed_tokens.dtype
         if loop_layers:
             mode = loop_mode or default_loop_mode()
             self.looped_forward = LoopedForward(

@@ -17,10 +17,11 @@ from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset, sh
 from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.looped_model import default_loop_mode
 from jaxdecode.memory import preflight
-from jaxdecode.model import Transformer, init_random, load_state_dict
+from jaxdecode.model import Transformer, init_random, load_state_dict, quantize_weights
+from jaxdecode.quantized import QUANTIZE_FORMATS, is_quantized
 from jaxdecode.tokenizer import Tokenizer
 from jaxdecode.tp import TPForward, make_mesh
-from jaxdecode.weights.gguf import default_model_path, gguf_config, gguf_state_dict, read_gguf
+from jaxdecode.weights.gguf import default_model_path, gguf_config, gguf_device_bytes, gguf_state_dict, read_gguf
 from jaxdecode.weights.safetensors import load_hf_dir
 
 
@@ -36,21 +37,35 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, *, dtype=jnp.float32, seed: int = 0, check_memory: bool = True
+    spec: str = DEFAULT_MODEL,
+    *,
+    dtype=jnp.float32,
+    seed: int = 0,
+    check_memory: bool = True,
+    quantize: str | None = None,
+    dequantize: bool = False,
 ) -> LoadedModel:
     """Load `spec`: a preset name, a .gguf file or a HF directory. Raises ValueError on bad input.
+
+    A GGUF file's quantized matrices stay quantized on the device (`jaxdecode.weights.repack`) unless
+    `dequantize`; `quantize` ("int8" | "int4") quantizes every projection of a dense model
+    (`model.quantize_weights`, round to nearest per group of 128), a GGUF file's after dequantizing it.
+    `dtype` is the activations' (and dense weights') dtype.
 
     With `check_memory`, a model whose weights, packing copy and a 4k-token cache cannot fit on the
     device is refused before anything is allocated (`jaxdecode.memory.preflight`).
     """
-    path = Path(spec)
+    if quantize is not None and quantize not in QUANTIZE_FORMATS:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_FORMATS)}, got {quantize!r}")
+    path, itemsize = Path(spec), jnp.dtype(dtype).itemsize
     if spec == DEFAULT_MODEL:
         path = default_model_path()
     elif spec in PRESETS:
         cfg = get_preset(spec)
         if check_memory:
-            preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len))
-        return LoadedModel(init_random(cfg, seed=seed, dtype=dtype), None, "random")
+            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len))
+        model = init_random(cfg, seed=seed, dtype=dtype)
+        return LoadedModel(quantize_weights(model, quantize) if quantize else model, None, "random")
     if path.is_dir():
         cfg, tensors = load_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
@@ -58,7 +73,12 @@ def load_model(
     elif path.suffix == ".gguf" or path.is_file():
         f = read_gguf(path)
         cfg = gguf_config(f, name=DEFAULT_MODEL if spec == DEFAULT_MODEL else path.stem)
-        tensors = gguf_state_dict(f)
+        keep = not (dequantize or quantize)
+        weight_bytes = gguf_device_bytes(f, itemsize, keep_quantized=keep)
+        if check_memory:  # before a tensor is read
+            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), weight_bytes=weight_bytes)
+            check_memory = False
+        tensors = gguf_state_dict(f, keep_quantized=keep)
         tokenizer = Tokenizer.from_gguf(f.metadata)
         source = str(path)
     else:
@@ -66,10 +86,10 @@ def load_model(
             f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file or directory"
         )
     if check_memory:
-        preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len))
+        preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len))
     model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-    load_state_dict(model, {k: np.asarray(v) for k, v in tensors.items()})
-    return LoadedModel(model, tokenizer, source)
+    load_state_dict(model, {k: v if is_quantized(v) else np.asarray(v) for k, v in tensors.items()})
+    return LoadedModel(quantize_weights(model, quantize) if quantize else model, tokenizer, source)
 
 
 def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):

@@ -38,7 +38,7 @@ from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, TensorParallel, get_preset
 from jaxdecode.looping import LoopPlan, LoopReport, Packed, SplitSum, StackedRef, kernel_loop, takes_split_sums
 from jaxdecode.model import Hook, Transformer
-from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, qkv_rope, rms_norm
+from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, qkv_rope, quant_gemm, rms_norm
 
 # Argument and output positions of `forward` below that the plan packs.
 _PARAMS, _K, _V = 0, 3, 4
@@ -105,6 +105,49 @@ def kernel_stacked_dot(
     return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
 
 
+def kernel_quant_dot(
+    x,
+    codes,
+    scales,
+    *offsets,
+    impl: str | None = None,
+    block_sizes: quant_gemm.QuantBlocks = quant_gemm.QuantBlocks(),
+    interpret: bool = False,
+):
+    """The `stacked_calls["quant_dot"]` hook: x [..., K] times layer i of a quantized weight stack, codes
+    [L, N, K] and scales (offsets) [L, K/G, N] read in place by `kernels.quant_gemm`. Returns [y [..., N]],
+    or None (the call then runs as written: XLA dequantizes row i and dots): off Hopper, activations
+    that are not 16-bit, M past the kernel's 256, or shapes it does not tile. An explicit `impl` (tests:
+    "mosaic" with `interpret=True`) skips the device and dtype checks, not the tiling."""
+    refs = (codes, scales, *offsets)
+    if not all(isinstance(r, StackedRef) for r in refs) or len(offsets) > 1 or isinstance(x, StackedRef):
+        return None
+    *lead, k = x.shape
+    m = int(np.prod(lead, dtype=int))
+    n, groups = codes.stack.shape[1], scales.stack.shape[1]
+    if impl is None:
+        if dispatch.gpu_kind() not in ("H100", "H200") or x.dtype not in (jnp.bfloat16, jnp.float16):
+            return None
+        impl = "mosaic"
+    if m > dispatch.MOSAIC_MAX_M:
+        return None
+    try:
+        y = quant_gemm.quant_gemm(
+            x.reshape(m, k),
+            codes.stack,
+            scales.stack,
+            offsets[0].stack if offsets else None,
+            codes.index,
+            group=k // groups,
+            impl=impl,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )  # [M, N]
+    except quant_gemm.UntiledShape:  # a shape or dtype the kernel does not tile: XLA runs the call
+        return None
+    return [y.reshape(*lead, n)]
+
+
 def _stream_blocks(block_sizes: flat_gemm.BlockSizes) -> flat_gemm_stream.StreamBlocks:
     """The Stream-K kernel's tiles for a dispatch decision made with `block_sizes`' tiles."""
     return flat_gemm_stream.StreamBlocks(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
@@ -114,7 +157,7 @@ def kernel_swiglu(
     x,
     w_gate,
     w_up,
-    *,
+    *quantized,
     impl: str | None = None,
     block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(),
     interpret: bool = False,
@@ -123,9 +166,10 @@ def kernel_swiglu(
     reads x once and both stacked weights in place (one launch instead of two GEMMs and the
     elementwise product). x [..., D]; w_gate, w_up `StackedRef`s of [L, D, F] stacks. Returns
     [y [..., F]], or None (then the two dots go through `kernel_stacked_dot` one by one). The
-    kernel computes silu·mul in f32 before one rounding; the model rounds g and u first.
+    kernel computes silu·mul in f32 before one rounding; the model rounds g and u first. Quantized
+    weights arrive as more arguments (codes, scales): declined, their dots go to `kernel_quant_dot`.
     """
-    if not (isinstance(w_gate, StackedRef) and isinstance(w_up, StackedRef)):
+    if quantized or not (isinstance(w_gate, StackedRef) and isinstance(w_up, StackedRef)):
         return None
     d, f = w_gate.stack.shape[1:]
     lead = x.shape[:-1]
@@ -477,6 +521,7 @@ KERNEL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType(
         Hook.RMS_NORM: kernel_rms_norm,
         Hook.QKV_ATTEND: kernel_qkv_attend,
         Hook.RESIDUAL_NORM: kernel_split_residual_norm,
+        Hook.QUANT_DOT: kernel_quant_dot,
     }
 )
 

@@ -21,6 +21,7 @@ import jax
 
 from jaxdecode.cache import cache_bytes
 from jaxdecode.config import ModelConfig, shard_config
+from jaxdecode.cost import matmul_params_per_layer, quantized_bytes
 
 GB = 1e9
 
@@ -45,11 +46,24 @@ class MemoryEstimate:
 
 
 def estimate(
-    cfg: ModelConfig, *, itemsize: int, batch: int = 1, context: int = 4096, looped: bool = True, tp: int = 1
+    cfg: ModelConfig,
+    *,
+    itemsize: int,
+    batch: int = 1,
+    context: int = 4096,
+    looped: bool = True,
+    tp: int = 1,
+    quantize: str | None = None,
+    weight_bytes: int | None = None,
 ) -> MemoryEstimate:
-    """Bytes on one device; with tp > 1 those of one of tp devices (ValueError if tp cannot split cfg)."""
+    """Bytes on one device; with tp > 1 those of one of tp devices (ValueError if tp cannot split cfg).
+    `quantize`: the projections as `model.quantize_weights` stores them (`cost.quantized_bytes`);
+    `weight_bytes`: the weights' size when the caller knows it (a GGUF file kept quantized)."""
     shard = shard_config(cfg, tp) if tp != 1 else cfg
-    weights = shard.n_params * itemsize
+    weights = shard.n_params * itemsize if weight_bytes is None else weight_bytes
+    if quantize is not None:
+        projections = shard.n_layers * matmul_params_per_layer(shard) + shard.vocab_size * shard.dim
+        weights += quantized_bytes(projections, quantize) - projections * itemsize
     workspace = batch * cfg.vocab_size * 4 * 2 + 16 * batch * context * max(cfg.dim, shard.ffn_dim) * 4 // 1024
     return MemoryEstimate(weights, weights if looped else 0, cache_bytes(shard, batch, context, itemsize), workspace)
 
@@ -72,9 +86,20 @@ def preflight(
     looped: bool = True,
     available: int | None = None,
     tp: int = 1,
+    quantize: str | None = None,
+    weight_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Raise ValueError with the numbers when the estimate exceeds the device's memory (per device)."""
-    est = estimate(cfg, itemsize=itemsize, batch=batch, context=context, looped=looped, tp=tp)
+    est = estimate(
+        cfg,
+        itemsize=itemsize,
+        batch=batch,
+        context=context,
+        looped=looped,
+        tp=tp,
+        quantize=quantize,
+        weight_bytes=weight_bytes,
+    )
     available = device_memory_bytes() if available is None else available
     if est.total > available:
         where = f"each of {tp} devices" if tp > 1 else "the device"

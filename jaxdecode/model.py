@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode.config import ModelConfig, TensorParallel
+from jaxdecode.quantized import DEFAULT_GROUP, check_quantized, embed_rows, is_quantized, matmul, quantize
 from kernels import allreduce
 
 Array = jax.Array
@@ -32,9 +34,10 @@ Array = jax.Array
 class Hook(enum.StrEnum):
     """The model's named calls that the in-place looped decode may hand to kernels.
 
-    Each is a module-level `jax.jit` function below, so it appears in the jaxpr as a call whose name is
-    the member's value; the engine's hook table (`looped_model.KERNEL_CALLS`) and `rdu`'s GPU model key
-    on these members, and a test checks that each appears in the traced decode step.
+    Each is a module-level `jax.jit` function (below, or `jaxdecode.quantized.quant_dot`), so it appears in
+    the jaxpr as a call whose name is the member's value; the engine's hook table
+    (`looped_model.KERNEL_CALLS`) and `rdu`'s GPU model key on these members, and a test checks that each
+    appears in the traced decode step (QUANT_DOT: of a model with quantized weights).
     """
 
     QKV_ATTEND = "qkv_attend"  # projections, RoPE, cache write and attention for one new token
@@ -43,6 +46,7 @@ class Hook(enum.StrEnum):
     SWIGLU = "swiglu"  # the MLP's gate and up projections and their product
     RMS_NORM = "rms_norm"  # a norm
     RESIDUAL_NORM = "residual_norm"  # the attention's residual add and the MLP's input norm
+    QUANT_DOT = "quant_dot"  # x times a quantized weight (codes and scales)
 
 
 def tp_residual_add(x: Array, block_out: Array, tp: TensorParallel | None, comm: tuple[Array, ...] = ()) -> Array:
@@ -117,10 +121,27 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: Array) -> Array:  # x: [..., in]
-        y = x @ self.weight[...]  # [..., out]
+        y = matmul(x, self.weight.get_value())  # [..., out]
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+class Embedding(nnx.Module):
+    """Token embeddings [V, D] (dense, or a `QuantizedWeight` whose codes are [V, D]); `attend` is the tied
+    output projection x @ embeddingᵀ. `dtype` is the activations' dtype, also for a quantized table."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)  # nnx.Embed's default
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), dtype))  # [V, D]
+        self.dtype = dtype
+
+    def __call__(self, ids: Array) -> Array:  # ids: [B, T] int32
+        return embed_rows(self.embedding.get_value(), ids, self.dtype)  # [B, T, D]
+
+    def attend(self, x: Array) -> Array:  # x: [..., D]
+        table = self.embedding.get_value()
+        return matmul(x, table) if is_quantized(table) else x @ table.T  # [..., V]
 
 
 class RMSNorm(nnx.Module):
@@ -166,7 +187,7 @@ class Attention(nnx.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         biases = [p.bias[...] for p in projs] if cfg.qkv_bias else []
         out, k_cache, v_cache = qkv_attend(
-            x, k_cache, v_cache, positions, cos, sin, *(p.weight[...] for p in projs), *biases
+            x, k_cache, v_cache, positions, cos, sin, *(p.weight.get_value() for p in projs), *biases
         )  # [B, T, N, H]
         out = out.reshape(b, t, cfg.q_dim)  # [B, T, N*H]
         out = self.o_proj(out)  # [B, T, D]; under tensor parallelism a partial sum over this device's heads
@@ -207,7 +228,7 @@ def qkv(x: Array, w_q: Array, w_k: Array, w_v: Array, *biases: Array) -> tuple[A
     three `Linear`s compute. x [..., D]; w_q [D, N*H], w_k, w_v [D, K*H]. One module-level jitted
     function, so the in-place looped decode can run it as one three-weight kernel (`kernel_qkv`)."""
     with jax.named_scope("qkv"):
-        outs = [x @ w for w in (w_q, w_k, w_v)]  # [..., N*H], [..., K*H], [..., K*H]
+        outs = [matmul(x, w) for w in (w_q, w_k, w_v)]  # [..., N*H], [..., K*H], [..., K*H]
         if biases:
             outs = [y + bias for y, bias in zip(outs, biases, strict=True)]
         return tuple(outs)
@@ -259,7 +280,7 @@ def sdpa(q: Array, k_cache: Array, v_cache: Array, positions: Array) -> Array:
 def swiglu(x: Array, w_gate: Array, w_up: Array) -> Array:
     """silu(x @ w_gate) * (x @ w_up): x [..., D], weights [D, F] -> [..., F]. One module-level jitted
     function, so the in-place looped decode can run it as one two-weight kernel (`kernel_swiglu`)."""
-    return jax.nn.silu(x @ w_gate) * (x @ w_up)
+    return jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up)
 
 
 class MLP(nnx.Module):
@@ -273,7 +294,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:  # x: [B, T, D]
         # [B, T, D]; under tensor parallelism a partial sum over this device's F/tp columns
-        return self.down_proj(swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...]))
+        return self.down_proj(swiglu(x, self.gate_proj.weight.get_value(), self.up_proj.weight.get_value()))
 
 
 class DecoderLayer(nnx.Module):
@@ -315,7 +336,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, tp: TensorParallel | None = None):
         self.cfg = cfg
         self.tp = tp
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.dim, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, tp=tp) for _ in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, dtype=dtype, rngs=rngs)
@@ -360,7 +381,8 @@ def init_random(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Transf
 
 
 def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Transformer:
-    """Copy Hugging Face-named tensors (Linear weights [out, in]) into the model, in place.
+    """Copy Hugging Face-named tensors (Linear weights [out, in]) into the model, in place. A tensor may be
+    a `QuantizedWeight` (codes in the same [out, in] rows): the parameter then stays quantized.
 
     Raises ValueError naming the tensor when one is missing, unexpected or of the wrong shape.
     """
@@ -369,7 +391,15 @@ def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Trans
     def take(name: str, param: nnx.Param, transpose: bool = False):
         if name not in remaining:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-        value = np.asarray(remaining.pop(name))
+        value = remaining.pop(name)
+        if is_quantized(value):  # codes keep the checkpoint's [out, in] rows, whatever `transpose` says
+            check_quantized(value, f"tensor {name!r}")
+            rows = param.shape[::-1] if transpose else param.shape
+            if value.codes.shape != tuple(rows):
+                raise ValueError(f"tensor {name!r} has shape {value.codes.shape}, expected {tuple(rows)}")
+            param.set_value(value.device_put())
+            return
+        value = np.asarray(value)
         if transpose:
             value = value.T
         if value.shape != param.shape:
@@ -395,4 +425,29 @@ def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Trans
     remaining = {k: v for k, v in remaining.items() if "rotary_emb" not in k}
     if remaining:
         raise ValueError(f"checkpoint has unexpected tensors: {sorted(remaining)[:5]}")
+    return model
+
+
+def quantize_weights(model: Transformer, fmt: str, group: int = DEFAULT_GROUP) -> Transformer:
+    """Quantize every projection in place (`jaxdecode.quantized.quantize`: round to nearest, per group of
+    `group` values along the input axis), and the output projection: lm_head, or the embedding table a
+    tied model shares with it. An untied embedding stays dense (decode reads B rows of it a step).
+    Weights already quantized are left as they are."""
+
+    def convert(param: nnx.Param, transposed: bool = False) -> None:
+        w = param.get_value()
+        if not is_quantized(w):
+            w = w.T if transposed else w  # [K, N]
+            # a width that `group` does not divide (SmolLM2's 576) takes the largest divisor of both
+            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0])))
+
+    for layer in model.layers:
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            convert(getattr(layer.self_attn, p).weight)
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            convert(getattr(layer.mlp, p).weight)
+    if model.lm_head is not None:
+        convert(model.lm_head.weight)
+    else:
+        convert(model.embed_tokens.embedding, transposed=True)  # [V, D] is the tied projection's [N, K]
     return model

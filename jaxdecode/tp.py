@@ -167,7 +167,7 @@ class TPForward:
     @classmethod
     def from_model(cls, model: Transformer, tp: int, **kwargs) -> TPForward:
         """Slice a model's weights over tp devices (the model stays as it is)."""
-        self = cls(model.cfg, tp, dtype=model.embed_tokens.embedding.dtype, **kwargs)
+        self = cls(model.cfg, tp, dtype=model.embed_tokens.dtype, **kwargs)
         _, state = nnx.split(model)
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
         if treedef != jax.tree.structure(self._global_specs):

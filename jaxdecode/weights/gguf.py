@@ -24,8 +24,10 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 
 from jaxdecode.config import ModelConfig, RopeScaling
+from jaxdecode.quantized import QuantizedWeight
 from jaxdecode.weights.checks import WeightsError, check_state_dict, make_config, open_map
 from jaxdecode.weights.quant import block_format, dequantize
+from jaxdecode.weights.repack import REPACKED, permute_rows, repack, repacked_bytes
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -370,8 +372,11 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, H // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # [n, 2, H/2, ...]
 
 
-def gguf_state_dict(f: GGUFFile, dtype=np.float32, cfg: ModelConfig | None = None) -> dict[str, np.ndarray]:
-    """Every parameter dequantized to `dtype`, under its HF name and in HF layout."""
+def gguf_state_dict(
+    f: GGUFFile, dtype=np.float32, cfg: ModelConfig | None = None, *, keep_quantized: bool = False
+) -> dict[str, np.ndarray | QuantizedWeight]:
+    """Every parameter under its HF name and in HF layout: dequantized to `dtype`, or with
+    `keep_quantized`, each quantized matrix repacked without loss (`repack.repack`) and kept quantized."""
     cfg = cfg or gguf_config(f)
     names = {name: hf_name(name) for name in f.tensors if name not in _SKIPPED}
     unknown = [name for name, key in names.items() if key is None]
@@ -381,13 +386,29 @@ def gguf_state_dict(f: GGUFFile, dtype=np.float32, cfg: ModelConfig | None = Non
     permuted = f.metadata.get("general.architecture") == "llama"
     state: dict[str, np.ndarray] = {}
     for name, key in names.items():
-        w = f.tensor(name, np.float32)
-        if permuted and ".attn_q." in name:
-            w = unpermute_rows(w, cfg.n_heads)
-        elif permuted and ".attn_k." in name:
-            w = unpermute_rows(w, cfg.n_kv_heads)
-        state[key] = w.astype(dtype, copy=False)
+        info = f.info(name)
+        heads = cfg.n_heads if ".attn_q." in name else cfg.n_kv_heads if ".attn_k." in name else None
+        unpermute = (lambda w: unpermute_rows(w, heads)) if permuted and heads else (lambda w: w)  # noqa: E731
+        if keep_quantized and info.ggml_type in REPACKED and len(info.shape) == 2:
+            qtype, blocks = f.raw_blocks(name)
+            state[key] = permute_rows(repack(blocks, qtype, info.shape, f"{f.path}: tensor {name}"), unpermute)
+        else:
+            state[key] = unpermute(f.tensor(name, np.float32)).astype(dtype, copy=False)
     return state
+
+
+def gguf_device_bytes(f: GGUFFile, itemsize: int, *, keep_quantized: bool) -> int:
+    """Bytes the model's parameters take on the device, from the header alone: kept-quantized matrices
+    as `repack` lays them out, every other tensor at `itemsize`."""
+    total = 0
+    for name, t in f.tensors.items():
+        if name in _SKIPPED:
+            continue
+        if keep_quantized and t.ggml_type in REPACKED and len(t.shape) == 2:
+            total += repacked_bytes(t.ggml_type, *t.shape)
+        else:
+            total += math.prod(t.shape) * itemsize
+    return total
 
 
 def load_gguf(path: str | Path, dtype=np.float32, name: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:

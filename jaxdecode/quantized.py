@@ -1,0 +1,159 @@
+"""Weight-only quantized linear weights, kept quantized on the device: integer codes and per-group scales.
+
+One format serves every source, so one kernel family reads them all:
+
+    w[k, n] = scales[k // G, n] · codes[n, k]  (+ offsets[k // G, n])
+
+- `codes` [N, K] int4 or int8: output rows with K contiguous, GGUF's own [out, in] order, so a kernel
+  tile [tile_n, tile_k] is the wgmma operand with K as its minor axis (`kernels.quant_gemm`).
+- `scales`, `offsets` [K/G, N]: one row per group, so a group's N scales are one contiguous vector the
+  kernel multiplies into its accumulator rows. `offsets` is None for symmetric formats.
+- G, the group size, is K / scales.shape[-2]; stacked layers add a leading [L] to all three.
+
+Sources: `quantize` (round to nearest, symmetric, `--quantize int8|int4`) and
+`jaxdecode.weights.gguf_repack` (GGUF blocks repacked without loss into this layout). The logical shape
+is the dense weight's, [K, N] (`Linear.weight` is [in, out]), so shape checks read the same for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+QUANTIZE_FORMATS = {"int8": 8, "int4": 4}  # --quantize name → bits
+DEFAULT_GROUP = 128  # values per scale along K for --quantize: the common choice of GPTQ/AWQ/gpt-fast
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A [K, N] weight (or a stack [L, K, N]) as codes [.., N, K] and per-group scales (+ offsets) [.., K/G, N].
+
+    `fmt` names where it came from ("int4", "int8" for `quantize`; a GGUF type such as "Q4_K"), for
+    reports; the arithmetic depends only on the arrays."""
+
+    codes: Array  # [..., N, K] int4 | int8
+    scales: Array  # [..., K/G, N] float
+    offsets: Array | None  # [..., K/G, N] float, or None
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[-1] // self.scales.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense weight's shape: [..., K, N]."""
+        *lead, n, k = self.codes.shape
+        return (*lead, k, n)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the device: int4 codes count half a byte each (XLA packs them on the GPU)."""
+        bits = jnp.iinfo(self.codes.dtype).bits
+        total = self.codes.size * bits // 8 + self.scales.size * self.scales.dtype.itemsize
+        return total + (0 if self.offsets is None else self.offsets.size * self.offsets.dtype.itemsize)
+
+    def dequantize(self, dtype=jnp.float32) -> Array:
+        """The dense weight [..., K, N] in `dtype`, computed in float32."""
+        return jnp.swapaxes(dequantize_rows(self.codes, self.scales, self.offsets), -1, -2).astype(dtype)
+
+    def device_put(self) -> QuantizedWeight:
+        """The same weight with numpy arrays placed on the default device."""
+        return jax.tree.map(jnp.asarray, self)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def check_quantized(w: QuantizedWeight, what: str) -> None:
+    """ValueError naming `what` unless the arrays fit together: integer codes [.., N, K], float scales
+    (and offsets) [.., K/G, N] with G dividing K."""
+    codes, scales, offsets = w.codes, w.scales, w.offsets
+    if codes.dtype not in (jnp.int4, jnp.int8, np.dtype(jnp.int4), np.dtype(np.int8)):
+        raise ValueError(f"{what}: quantized codes must be int4 or int8, got {codes.dtype}")
+    if not jnp.issubdtype(scales.dtype, jnp.floating):
+        raise ValueError(f"{what}: quantized scales must be floating point, got {scales.dtype}")
+    *lead, n, k = codes.shape
+    groups = scales.shape[-2] if scales.ndim >= 2 else 0
+    if scales.shape != (*lead, groups, n) or groups < 1 or k % groups:
+        raise ValueError(f"{what}: scales {scales.shape} do not fit codes {codes.shape} ([.., K/G, N] for [.., N, K])")
+    if offsets is not None and offsets.shape != scales.shape:
+        raise ValueError(f"{what}: offsets {offsets.shape} differ from scales {scales.shape}")
+
+
+def dequantize_rows(codes: Array, scales: Array, offsets: Array | None) -> Array:
+    """codes [..., N, K], scales (offsets) [..., K/G, N] → w [..., N, K] float32 (rows of the weight's transpose)."""
+    *lead, n, k = codes.shape
+    groups = scales.shape[-2]
+    c = codes.astype(jnp.float32).reshape(*lead, n, groups, k // groups)  # [..., N, K/G, G]
+    w = c * jnp.swapaxes(scales, -1, -2).astype(jnp.float32)[..., None]  # [..., N, K/G, G]
+    if offsets is not None:
+        w = w + jnp.swapaxes(offsets, -1, -2).astype(jnp.float32)[..., None]
+    return w.reshape(*lead, n, k)
+
+
+@jax.jit
+def quant_dot(x: Array, codes: Array, scales: Array, *offsets: Array) -> Array:
+    """x [..., K] @ the dequantized weight ([K, N] from codes [N, K], scales (offsets) [K/G, N]) → [..., N] in
+    x's dtype, the dot in float32. One module-level jitted function, so the in-place looped decode can
+    hand it to a kernel that reads the stacked codes in place (`looped_model.kernel_quant_dot`).
+
+    Written as the dequantized rows times x: XLA fuses the dequantization into a loop over row tiles
+    on the CPU, so only the codes cross memory."""
+    w = dequantize_rows(codes, scales, offsets[0] if offsets else None)  # [N, K]
+    y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w)  # [..., N]
+    return y.astype(x.dtype)
+
+
+def matmul(x: Array, w) -> Array:
+    """x [..., K] @ w, where w is a dense [K, N] array or a `QuantizedWeight`: what `Linear` computes."""
+    if isinstance(w, QuantizedWeight):
+        return quant_dot(x, w.codes, w.scales, *(() if w.offsets is None else (w.offsets,)))
+    return x @ w
+
+
+def embed_rows(w, ids: Array, dtype) -> Array:
+    """Rows `ids` [...] of an embedding table: dense [V, D], or a `QuantizedWeight` whose dense [K, N] = [D, V]
+    is the tied output projection (codes [V, D]); returns [..., D] in `dtype`."""
+    if not isinstance(w, QuantizedWeight):
+        return jnp.take(w, ids, axis=0).astype(dtype)
+    codes = jnp.take(w.codes, ids, axis=0)  # [..., D]
+    scales = jnp.take(w.scales, ids, axis=1)  # [D/G, ...]
+    offsets = None if w.offsets is None else jnp.take(w.offsets, ids, axis=1)
+    d, groups = codes.shape[-1], scales.shape[0]
+    c = codes.astype(jnp.float32).reshape(*ids.shape, groups, d // groups)  # [..., D/G, G]
+    rows = c * jnp.moveaxis(scales, 0, -1).astype(jnp.float32)[..., None]
+    if offsets is not None:
+        rows = rows + jnp.moveaxis(offsets, 0, -1).astype(jnp.float32)[..., None]
+    return rows.reshape(*ids.shape, d).astype(dtype)
+
+
+def quantize(w, fmt: str, group: int = DEFAULT_GROUP) -> QuantizedWeight:
+    """Round-to-nearest symmetric quantization of a dense [K, N] weight (numpy or jax), per group of
+    `group` values along K: scale = max|w| / (2^(bits-1) - 1) of the group, codes = round(w / scale),
+    scales float32. int4 codes are -7..7 and int8 -127..127, so the largest value is exact."""
+    if fmt not in QUANTIZE_FORMATS:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZE_FORMATS)}")
+    k, n = w.shape[-2:]
+    if group < 1 or k % group:
+        raise ValueError(f"group size {group} does not divide K={k} (weight {tuple(w.shape)})")
+    qmax = 2 ** (QUANTIZE_FORMATS[fmt] - 1) - 1
+    rows = jnp.swapaxes(jnp.asarray(w, jnp.float32), -1, -2)  # [..., N, K]
+    g = rows.reshape(*rows.shape[:-1], k // group, group)  # [..., N, K/G, G]
+    amax = jnp.max(jnp.abs(g), axis=-1)  # [..., N, K/G]
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    codes = jnp.clip(jnp.round(g / scale[..., None]), -qmax, qmax).reshape(rows.shape)  # [..., N, K]
+    dtype = jnp.int4 if fmt == "int4" else jnp.int8
+    return QuantizedWeight(codes.astype(dtype), jnp.swapaxes(scale, -1, -2), None, fmt)
+
+
+def weight_bytes(w) -> int:
+    """Bytes a dense array or a `QuantizedWeight` occupies on the device."""
+    return w.nbytes if isinstance(w, QuantizedWeight) else int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize
