@@ -139,12 +139,12 @@ class Engine:
         self.cache_dtype = cache_dtype or model.embed_tokens.dtype
         if loop_layers:
             mode = loop_mode or default_loop_mode()
-            self.looped_forward = LoopedForward(
-                self.graphdef, params, self.cfg, mode=mode, hooks=hooks, stacked_dot=stacked_dot
-            )
-            self.params = self.looped_forward.pack_params(params)
-        else:
-            self.params = params
+            looped = LoopedForward(self.graphdef, params, self.cfg, mode=mode, hooks=hooks, stacked_dot=stacked_dot)
+            if looped.finds_runs():
+                self.looped_forward, self.params = looped, looped.pack_params(params)
+                return
+            self.loop_layers = False  # no two consecutive layers alike (one layer, or all quantized differently)
+        self.params = params
 
     def _compiled(self, jitted, *args, timings: dict, **static):
         """The compiled executable of `jitted` for these argument shapes (compiled once, timed)."""

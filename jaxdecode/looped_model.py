@@ -602,6 +602,11 @@ class LoopedForward:
             )
         return self._plans[key]
 
+    def finds_runs(self) -> bool:
+        """Whether the pass finds consecutive equal layers to loop (not in a one-layer model, nor where
+        every layer's weights are quantized differently)."""
+        return bool(self.plan(1, 1, 1, jax.numpy.float32).layouts)
+
     def pack_params(self, params) -> Packed:
         return Packed.pack(params, self.plan(1, 1, 1, jax.numpy.float32).layouts[_PARAMS])
 

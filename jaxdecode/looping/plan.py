@@ -142,7 +142,7 @@ class LoopPlan:
             f"{len(l.rest)} leaves passed through"
             for a, l in self.layouts.items()
         ]
-        if not self.packed_outputs:
+        if not self.packed_outputs or not self.layouts:  # no run of equal calls: nothing is packed
             return notes
         offsets = self._out_offsets()
         from_run = {}  # root outvar -> (run, output position, call number)

@@ -1,0 +1,179 @@
+"""Quantized weights kept on the device (`jaxdecode.quantized`, `jaxdecode.weights.repack`).
+
+References: numpy hand computations of the round-to-nearest quantizer, the `gguf` package's own
+`gguf.quants.dequantize` for every repacked GGML type, the dense dot of the dequantized weight, and the
+unrolled model against its looped form. The shipped SmolLM2 file kept quantized is checked against
+HF transformers in tests/test_default_model.py (the engine's default load) and against our own
+dequantized path here.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as QT
+
+from jaxdecode.config import get_preset
+from jaxdecode.cost import decode_cost, quantized_bytes
+from jaxdecode.decode import Engine
+from jaxdecode.memory import estimate
+from jaxdecode.model import init_random, quantize_weights
+from jaxdecode.quantized import QuantizedWeight, check_quantized, matmul, quant_dot, quantize
+from jaxdecode.weights.quant import FORMATS
+from jaxdecode.weights.repack import REPACKED, repack, repacked_bytes
+
+F32_EPS = 2.0**-24  # float32 unit roundoff
+
+
+def _dense(qw: QuantizedWeight) -> np.ndarray:
+    """The format's formula in float64 numpy: w[k, n] = s[k // G, n] · codes[n, k] + o[k // G, n]."""
+    codes = np.asarray(qw.codes).astype(np.float64)  # [N, K]
+    g = codes.shape[1] // qw.scales.shape[0]
+    s = np.repeat(np.asarray(qw.scales, np.float64), g, axis=0)  # [K, N]
+    o = 0.0 if qw.offsets is None else np.repeat(np.asarray(qw.offsets, np.float64), g, axis=0)
+    return codes.T * s + o
+
+
+@pytest.mark.parametrize("fmt, qmax", [("int8", 127), ("int4", 7)])
+def test_quantize_rounds_to_nearest_per_group(fmt, qmax):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 24)).astype(np.float32)  # [K, N], groups of 16 along K
+    qw = quantize(w, fmt, group=16)
+    assert qw.codes.shape == (24, 64) and qw.scales.shape == (4, 24) and qw.offsets is None
+    assert qw.codes.dtype == (jnp.int4 if fmt == "int4" else jnp.int8)
+    groups = w.reshape(4, 16, 24)
+    scale = np.abs(groups).max(axis=1) / qmax  # [K/G, N], by hand
+    np.testing.assert_allclose(np.asarray(qw.scales), scale, rtol=F32_EPS * 4)
+    want = np.round(groups / scale[:, None, :]).reshape(64, 24)
+    np.testing.assert_array_equal(np.asarray(qw.codes).astype(np.int32).T, want.astype(np.int32))
+    # round to nearest: every value within half a step of its group's scale
+    assert np.all(np.abs(_dense(qw) - w) <= np.repeat(scale, 16, axis=0) * (0.5 + 1e-6))
+    assert qw.nbytes == 24 * 64 * (1 if fmt == "int8" else 0.5) + 4 * 24 * 4
+
+
+def test_quantize_refuses_groups_that_do_not_divide_k():
+    with pytest.raises(ValueError, match="group size 128 does not divide K=576"):
+        quantize(np.ones((576, 8), np.float32), "int4", 128)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        quantize(np.ones((64, 8), np.float32), "int3", 32)
+
+
+def test_quant_dot_equals_the_dense_dot_of_the_dequantized_weight():
+    rng = np.random.default_rng(1)
+    codes = rng.integers(-8, 8, size=(40, 96)).astype(jnp.int4)  # [N, K]
+    scales = rng.random((3, 40)).astype(np.float32)  # [K/G, N], G = 32
+    offsets = rng.normal(size=(3, 40)).astype(np.float32)
+    qw = QuantizedWeight(jnp.asarray(codes), jnp.asarray(scales), jnp.asarray(offsets), "test")
+    check_quantized(qw, "test")
+    x = rng.normal(size=(2, 5, 96)).astype(np.float32)
+    want = x.astype(np.float64) @ _dense(qw)
+    got = np.asarray(matmul(jnp.asarray(x), qw))
+    assert got.shape == (2, 5, 40) and got.dtype == np.float32
+    # f32 products and a sum over K = 96 terms: |error| <= K·eps·Σ|x·w| (a loose, standard bound)
+    bound = 96 * F32_EPS * (np.abs(x) @ np.abs(_dense(qw))) * 2
+    assert np.all(np.abs(got - want) <= bound)
+    # s·c is exact in f32 (a float times a 4-bit integer); adding o rounds once (twice without an FMA)
+    deq = np.asarray(qw.dequantize(), np.float64)
+    assert np.all(np.abs(deq - _dense(qw)) <= 2 * F32_EPS * (np.abs(_dense(qw)) + np.abs(offsets).max()))
+    np.testing.assert_array_equal(got, np.asarray(quant_dot(jnp.asarray(x), qw.codes, qw.scales, qw.offsets)))
+
+
+def _random_blocks(qtype, rows, k, rng) -> np.ndarray:
+    """Random bytes for [rows, K] values of `qtype`, with its float16 scale fields finite."""
+    fmt = FORMATS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * k // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
+    fields = fmt.split(blocks)
+    for name in ("d", "dmin", "m"):
+        if name in fields:
+            d = (rng.normal(size=(blocks.shape[0], 1)) * 0.01).astype(np.float16)
+            fields[name][:] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", REPACKED, ids=[q.name for q in REPACKED])
+def test_repack_equals_gguf_dequantize(qtype):
+    """The repacked codes, scales and offsets give gguf.quants.dequantize's values: exactly, except where a
+    recentred offset (8·d·sc − dmin·m, computed in float64) is rounded once to float32; then within that
+    rounding, half an ulp of the offset plus half an ulp of the value."""
+    rng = np.random.default_rng(int(qtype))
+    rows, k = 6, 512
+    blocks = _random_blocks(qtype, rows, k, rng)
+    qw = repack(blocks, qtype, (rows, k), "test")
+    check_quantized(qw, "test")
+    ref = quants.dequantize(blocks, qtype)  # [rows, K] float32
+    got = np.asarray(qw.dequantize()).T  # [rows, K]
+    offsets = 0.0 if qw.offsets is None else np.repeat(np.abs(np.asarray(qw.offsets)), qw.group, axis=0).T
+    assert np.all(np.abs(got - ref) <= F32_EPS * (offsets + np.abs(ref)))
+    if qw.offsets is None or qtype in (QT.Q4_1, QT.Q5_1):  # f16 d, m: the recentred offset is exact
+        np.testing.assert_array_equal(got, ref)
+    assert qw.nbytes == repacked_bytes(qtype, rows, k)
+
+
+def test_cost_and_preflight_count_quantized_bytes():
+    cfg = get_preset("llama-3.1-8b")
+    dense = decode_cost(cfg, batch=1, context=1024, itemsize=2)
+    int4 = decode_cost(cfg, batch=1, context=1024, itemsize=2, quantize="int4")
+    projections = cfg.n_layers * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336) + 128256 * 4096
+    assert dense.weight_bytes - int4.weight_bytes == 2 * projections - quantized_bytes(projections, "int4")
+    assert quantized_bytes(projections, "int4") == projections // 2 + projections // 128 * 4
+    assert int4.kv_read_bytes == dense.kv_read_bytes
+    est = estimate(get_preset("llama-3.1-70b"), itemsize=2, quantize="int4", looped=False, context=1024)
+    assert 35e9 < est.weights < 42e9  # 70.6B parameters at 4.25 bits, the embedding table in bf16
+
+
+def test_quantized_model_looped_equals_unrolled_with_mixed_layer_formats():
+    """Layers quantized differently (int8 and int4, groups 32 and 16) cannot share one scan body: the
+    looping pass makes runs of equal layers. Greedy tokens and logits equal the unrolled model's."""
+    cfg = get_preset("tiny-gqa")
+    model = init_random(cfg, seed=3)
+    quantize_weights(model, "int8", group=32)
+    assert cfg.n_layers == 3
+    for layer in model.layers[2:]:  # the last layer's MLP int4 at group 16: another pytree structure
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            param = getattr(layer.mlp, p).weight
+            param.set_value(quantize(param.get_value().dequantize(), "int4", 16))
+    prompt = [[5, 9, 2, 7, 1]]
+    unrolled = Engine(model, loop_layers=False)
+    looped = Engine(model, loop_layers=True)
+    assert looped.generate(prompt, max_new_tokens=6).token_ids == unrolled.generate(prompt, max_new_tokens=6).token_ids
+    a = looped.forward_logits(np.array(prompt))
+    b = unrolled.forward_logits(np.array(prompt))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # the same f32 operations in another order
+
+
+def test_quantized_model_computes_the_dense_model_of_its_dequantized_weights():
+    """A quantized model is the dense model whose weights are the dequantized ones: same logits up to f32
+    summation order (the quantized dot dequantizes in f32 and sums in another order)."""
+    cfg = get_preset("tiny-mqa")  # tied embeddings: the table is quantized too, lookups dequantize rows
+    quant = quantize_weights(init_random(cfg, seed=4), "int8", group=16)
+    dense = init_random(cfg, seed=5)
+    for (path, q), (_, d) in zip(nnx.iter_graph(quant), nnx.iter_graph(dense), strict=True):
+        if isinstance(q, nnx.Param):
+            value = q.get_value()
+            if isinstance(value, QuantizedWeight):
+                value = value.dequantize().T if path[-2:] == ("embed_tokens", "embedding") else value.dequantize()
+            d.set_value(value)
+    tokens = np.array([[3, 1, 4, 1, 5]])
+    got = Engine(quant, loop_layers=False).forward_logits(tokens)
+    want = Engine(dense, loop_layers=False).forward_logits(tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_that_never_repeat_run_unrolled():
+    """Alternating formats (and a one-layer model) leave the pass no run of equal layers: the engine runs
+    the layers as written instead of failing to pack the cache."""
+    cfg = get_preset("tiny-gqa")
+    model = init_random(cfg, seed=6)
+    for i, layer in enumerate(model.layers):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            param = getattr(layer.mlp, p).weight
+            param.set_value(quantize(param.get_value(), "int4" if i % 2 else "int8", 16))
+    one_layer = init_random(dataclasses.replace(cfg, n_layers=1), seed=7)
+    for m in (model, one_layer):
+        looped = Engine(m, loop_layers=True)
+        assert not looped.loop_layers and looped.looped_forward is None
+        want = Engine(m, loop_layers=False).generate([[1, 2, 3]], max_new_tokens=4).token_ids
+        assert looped.generate([[1, 2, 3]], max_new_tokens=4).token_ids == want
