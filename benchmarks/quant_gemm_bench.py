@@ -1,0 +1,408 @@
+"""Check and time kernels/quant_gemm.py on one GPU against bf16 flat GEMM, XLA and torch's tinygemm.
+
+  JAX_PLATFORMS=cuda python benchmarks/quant_gemm_bench.py --out $OUT/quant_gemm.json [--quick]
+  python benchmarks/quant_gemm_bench.py --dry-run   # the CPU: interpret mode, tiny shapes
+
+In one process:
+(a) compiled correctness of every `QuantBlocks` variant against `quant_gemm_reference` on a small
+    shape (int4 G=128 f32 scales, int4 G=32 f16 scales with offsets, int8 G=128 bf16 scales); a
+    variant that fails to lower prints its error's first line and the run goes on;
+(b) time per call for the Llama-3.1-8B projections (N, K) = q/o (4096, 4096), k/v (1024, 4096),
+    gate/up (14336, 4096), down (4096, 14336) at M = 1 and 8: int4 G=128 f32 scales (every variant),
+    int8 G=128 f32 scales, bf16 `flat_gemm` (mosaic) and a plain XLA bf16 dot (which copies W[l]
+    out of the stack). Each timed jit is one `lax.fori_loop` over the L = 32 stacked layers with a
+    traced layer index (launch gaps as in a decode step; x is loop-invariant, so XLA may hoist its
+    pad); µs per call = median over runs of the jit's wall time / L;
+(c) the HBM read ceiling in the same process; every row's GB/s counts its own bytes (codes + scales
+    + x + y, or the bf16 weight + x + y) and its % of the ceiling;
+(d) if torch imports: tinygemm int4 (`_convert_weight_to_int4pack` + `_weight_int4pack_mm`, group
+    128, bf16) on the same shapes, 32 distinct layers per CUDA graph.
+Ends with a table and one JSON line; --out writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+# torch and JAX share the GPU here: JAX must not take 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from kernels import flat_gemm as fg  # noqa: E402
+from kernels import quant_gemm as qg  # noqa: E402
+
+LAYERS = 32
+SHAPES = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)}  # (N, K)
+MS = (1, 8)
+GROUP = 128
+VARIANTS = {  # name: QuantBlocks; the first is the default
+    "acc_n128_k256": qg.QuantBlocks(),
+    "w_n128_k256": qg.QuantBlocks(scale_in="w"),
+    "acc_n64_k256": qg.QuantBlocks(tile_n=64),
+    "acc_n128_k512": qg.QuantBlocks(tile_k=512),
+    "w_n64_k512": qg.QuantBlocks(tile_n=64, tile_k=512, scale_in="w"),
+    "acc_n256_k256": qg.QuantBlocks(tile_n=256),
+}
+INT8_VARIANTS = ("acc_n128_k256", "w_n128_k256")
+RUN = dict(
+    layers=LAYERS,
+    shapes=SHAPES,
+    runs=20,
+    warmup=3,
+    interpret=False,
+    fg_blocks=fg.BlockSizes(),
+    dry=False,
+    deadline=float("inf"),  # perf_counter time after which timing rows are skipped (--budget-s)
+    save=lambda: None,  # writes the JSON so far (--out), after every row
+)
+ROWS: list[dict] = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def first_line(e: Exception) -> str:
+    lines = [s for s in str(e).strip().splitlines() if s.strip()]
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def dry_mode():
+    """Tiny shapes through Mosaic GPU's interpreter on the CPU: checks the script, not the speed."""
+    small = lambda c: dataclasses.replace(c, tile_n=64, tile_k=min(c.tile_k, 128))
+    VARIANTS.update({name: small(c) for name, c in VARIANTS.items()})
+    RUN.update(
+        layers=2,
+        shapes={"tiny": (128, 256)},
+        runs=1,
+        warmup=0,
+        interpret=True,
+        fg_blocks=fg.BlockSizes(tile_n=64, tile_k=128, max_concurrent_steps=2),
+        dry=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and bytes
+
+
+def quant_inputs(key, layers: int, n: int, k: int, cdt, group: int, sdt, offsets: bool = False):
+    """codes [L, N, K], scales [L, K/G, N] (y ~ N(0, 1) for x ~ N(0, 1)), offsets or None."""
+    hi = 8 if cdt == jnp.int4 else 128
+    k1, k2, k3 = jax.random.split(key, 3)
+    codes = jax.random.randint(k1, (layers, n, k), -hi, hi, jnp.int8).astype(cdt)
+    unit = 1.0 / (hi / np.sqrt(3) * np.sqrt(k))
+    scales = (jax.random.uniform(k2, (layers, k // group, n), jnp.float32, 0.5, 1.5) * unit).astype(sdt)
+    off = jax.random.normal(k3, (layers, k // group, n), jnp.float32) / np.sqrt(k) if offsets else None
+    return codes, scales, off
+
+
+def quant_bytes(m: int, n: int, k: int, bits: int, group: int, scale_bytes: int) -> int:
+    """One call's bytes: codes + scales of one layer, x [M, K] bf16 read, y [M, N] bf16 written."""
+    return n * k * bits // 8 + (k // group) * n * scale_bytes + 2 * m * k + 2 * m * n
+
+
+def bf16_bytes(m: int, n: int, k: int) -> int:
+    return 2 * n * k + 2 * m * k + 2 * m * n
+
+
+def log_bytes() -> None:
+    """Bytes per call of the Llama-3.1-8B shapes (whatever the run times), for checking by hand."""
+    log("bytes per call (MiB) at M = 1 / 8: int4 G=128 f32 scales, int8 G=128 f32 scales, bf16")
+    for shape, (n, k) in SHAPES.items():
+        row = [
+            [f(m) / 2**20 for m in MS]
+            for f in (
+                lambda m: quant_bytes(m, n, k, 4, GROUP, 4),
+                lambda m: quant_bytes(m, n, k, 8, GROUP, 4),
+                lambda m: bf16_bytes(m, n, k),
+            )
+        ]
+        log(f"  {shape:8s} N={n:<6d} K={k:<6d} " + "   ".join(" / ".join(f"{v:.4f}" for v in r) for r in row))
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) the read ceiling
+
+
+def read_ceiling() -> float:
+    """GB/s of an f32 sum over a 4 GiB bf16 array (jaxdecode.bench.timing's measure where it imports)."""
+    gib = 0.01 if RUN["dry"] else 4
+    try:
+        from jaxdecode.bench.timing import read_ceiling_gb_s
+
+        return read_ceiling_gb_s(gib=gib)
+    except Exception as e:  # noqa: BLE001  (the engine package may be mid-edit; the measure is small)
+        log(f"  jaxdecode.bench.timing unavailable ({first_line(e)}); measuring here")
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    jax.block_until_ready(total(x))
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(total(x))
+        ts.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(ts) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) correctness of every variant
+
+
+def check_variants() -> list[dict]:
+    out = []
+    m, n, k, layers = 5, 256, 1024, 2
+    if RUN["dry"]:
+        n, k = 128, 256
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+    cases = {
+        "int4_g128_f32": (jnp.int4, 128, jnp.float32, False),
+        "int4_g32_f16_offsets": (jnp.int4, 32, jnp.float16, True),
+        "int8_g128_bf16": (jnp.int8, 128, jnp.bfloat16, False),
+    }
+    for cname, (cdt, group, sdt, off) in cases.items():
+        codes, scales, offsets = quant_inputs(jax.random.key(1), layers, n, k, cdt, group, sdt, off)
+        ref = np.asarray(qg.quant_gemm_reference(x, codes, scales, offsets, layers - 1, group=group), np.float32)
+        for vname, cfg in VARIANTS.items():
+            row = dict(case=cname, variant=vname)
+            try:
+                y = qg.quant_gemm(
+                    x,
+                    codes,
+                    scales,
+                    offsets,
+                    jnp.int32(layers - 1),
+                    group=group,
+                    block_sizes=cfg,
+                    interpret=RUN["interpret"],
+                )
+                err = np.abs(np.asarray(y, np.float32) - ref)
+                # bf16 rounding of ~N(0, 1) outputs, plus the "w" variant's bf16 weights (see the tests)
+                row.update(max_abs_err=float(err.max()), ok=bool(np.isfinite(err).all() and err.max() < 0.06))
+            except Exception as e:  # noqa: BLE001  (a variant that fails to lower must not end the run)
+                row.update(ok=False, error=first_line(e))
+            out.append(row)
+            log(
+                f"  {cname:22s} {vname:16s} "
+                + (f"max |err| {row['max_abs_err']:.4f} " if "max_abs_err" in row else "")
+                + ("ok" if row["ok"] else f"FAILED {row.get('error', '')}")
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) timing: one fori_loop over the stacked layers per jit
+
+
+def time_loop(gemm, weights: tuple, m: int, n: int, k: int) -> tuple[float, float]:
+    """(median µs per call, compile + first run s) of gemm(x, l, *weights) [M, N] over l = 0..L-1
+    inside one jitted fori_loop. The stacks are the jit's arguments: closed over, they would be
+    baked into the executable as constants (GBs)."""
+    layers = RUN["layers"]
+    x = jax.random.normal(jax.random.key(7), (m, k), jnp.float32).astype(jnp.bfloat16)
+
+    @jax.jit
+    def loop(x, weights):
+        body = lambda l, acc: acc + gemm(x, l, *weights).astype(jnp.float32)  # the add keeps every call live
+        return lax.fori_loop(0, layers, body, jnp.zeros((m, n), jnp.float32))
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(x, weights))
+    first = time.perf_counter() - t0
+    for _ in range(RUN["warmup"]):
+        jax.block_until_ready(loop(x, weights))
+    ts = []
+    for _ in range(RUN["runs"]):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(x, weights))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / layers * 1e6, first
+
+
+def record(shape: str, m: int, impl: str, variant: str, us, nbytes: int, ceiling: float, error=None, first_s=None):
+    gbps = nbytes / us / 1e3 if us else float("nan")
+    row = dict(shape=shape, m=m, impl=impl, variant=variant, bytes=nbytes, us=None if us is None else round(us, 2))
+    row.update(gb_s=round(gbps, 1), pct_ceiling=round(100 * gbps / ceiling, 1))
+    if first_s is not None:
+        row["compile_s"] = round(first_s, 1)
+    if error:
+        row["error"] = error
+    ROWS.append(row)
+    RUN["save"]()
+    shown = f"{us:9.2f} us {gbps:7.0f} GB/s {row['pct_ceiling']:5.1f}%" if us else f"FAILED {error}"
+    took = f"  (compile+1st {first_s:.1f} s)" if first_s is not None else ""
+    log(f"  {shape:8s} M={m:<3d} {impl:10s} {variant:16s} {nbytes / 2**20:8.2f} MiB  {shown}{took}")
+
+
+def attempt_time(shape, m, impl, variant, nbytes, ceiling, gemm, weights, n, k):
+    if time.perf_counter() > RUN["deadline"]:
+        record(shape, m, impl, variant, None, nbytes, ceiling, error="skipped: past --budget-s")
+        return
+    try:
+        us, first = time_loop(gemm, weights, m, n, k)
+        record(shape, m, impl, variant, us, nbytes, ceiling, first_s=first)
+    except Exception as e:  # noqa: BLE001  (one failing variant must not end the run)
+        record(shape, m, impl, variant, None, nbytes, ceiling, error=first_line(e))
+
+
+def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
+    layers, interp = RUN["layers"], RUN["interpret"]
+    for i, (shape, (n, k)) in enumerate(RUN["shapes"].items()):
+        key = jax.random.key(100 + i)
+        for cdt, names in ((jnp.int4, list(variants)), (jnp.int8, list(int8_variants))):
+            codes, scales, _ = quant_inputs(key, layers, n, k, cdt, GROUP, jnp.float32)
+            bits = jnp.iinfo(cdt).bits
+            for m in MS:
+                nbytes = quant_bytes(m, n, k, bits, GROUP, 4)
+                for name in names:
+                    gemm = lambda x, l, c, s, cfg=variants[name]: qg.quant_gemm(
+                        x, c, s, None, l, group=GROUP, block_sizes=cfg, interpret=interp
+                    )
+                    attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, (codes, scales), n, k)
+            del codes, scales
+            gc.collect()
+        w = jax.random.normal(key, (layers, k, n), jnp.float32).astype(jnp.bfloat16)  # [L, K, N]
+        flat = lambda x, l, w: fg.flat_gemm(x, w, l, impl="mosaic", block_sizes=RUN["fg_blocks"], interpret=interp)
+        dot = lambda x, l, w: jnp.dot(x, lax.dynamic_index_in_dim(w, l, 0, False), preferred_element_type=jnp.float32)
+        for m in MS:
+            nbytes = bf16_bytes(m, n, k)
+            attempt_time(shape, m, "bf16", "flat_gemm", nbytes, ceiling, flat, (w,), n, k)
+            xla = lambda x, l, w: dot(x, l, w).astype(x.dtype)
+            attempt_time(shape, m, "bf16", "xla_dot", nbytes, ceiling, xla, (w,), n, k)
+        del w
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) torch tinygemm int4
+
+
+def time_torch_tinygemm(ceiling: float) -> None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device for torch")
+    except Exception as e:  # noqa: BLE001
+        log(f"  torch tinygemm skipped: {first_line(e)}")
+        return
+    layers = RUN["layers"]
+    for shape, (n, k) in RUN["shapes"].items():
+        if time.perf_counter() > RUN["deadline"]:
+            log(f"  torch tinygemm {shape}: skipped, past --budget-s")
+            continue
+        try:
+            packs = []
+            for _ in range(layers):  # distinct layers, so the graph reads HBM as the JAX loop does
+                q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
+                packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
+                packs.append(torch.ops.aten._convert_weight_to_int4pack(packed, 8))
+            sz = torch.rand(k // GROUP, n, 2, dtype=torch.bfloat16, device="cuda")  # scales and zeros
+        except Exception as e:  # noqa: BLE001
+            log(f"  torch tinygemm {shape}: packing failed: {first_line(e)}")
+            continue
+        for m in MS:
+            nbytes = quant_bytes(m, n, k, 4, GROUP, 4)  # bf16 scale + bf16 zero per group and column
+            try:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                run = lambda x=x, packs=packs: [torch.ops.aten._weight_int4pack_mm(x, p, GROUP, sz) for p in packs]
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    run()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                graph.replay()
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(RUN["runs"]):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    graph.replay()
+                    b.record()
+                    torch.cuda.synchronize()
+                    ts.append(a.elapsed_time(b) * 1e3 / layers)
+                record(shape, m, "int4", "torch_tinygemm", statistics.median(ts), nbytes, ceiling)
+            except Exception as e:  # noqa: BLE001
+                record(shape, m, "int4", "torch_tinygemm", None, nbytes, ceiling, error=first_line(e))
+        del packs
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write the JSON here")
+    ap.add_argument("--quick", action="store_true", help="time the first two variants and int8's default only")
+    ap.add_argument("--dry-run", action="store_true", help="interpret mode on tiny shapes (the CPU works)")
+    ap.add_argument("--skip-timing", action="store_true", help="the ceiling and the correctness check only")
+    ap.add_argument("--budget-s", type=float, default=210, help="start no timing row after this many seconds")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        dry_mode()
+    t_start = time.perf_counter()
+    RUN["deadline"] = t_start + args.budget_s
+    dev = jax.devices()[0]
+    summary = dict(
+        bench="quant_gemm",
+        device=dev.device_kind,
+        jax=jax.__version__,
+        layers=RUN["layers"],
+        group=GROUP,
+        dry_run=RUN["dry"],
+        variants={name: dataclasses.asdict(c) for name, c in VARIANTS.items()},
+        rows=ROWS,
+    )
+
+    def save():
+        summary["seconds"] = round(time.perf_counter() - t_start, 1)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+
+    RUN["save"] = save
+    log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, layers {RUN['layers']}")
+    log_bytes()
+    ceiling = read_ceiling()
+    summary["read_ceiling_gb_s"] = round(ceiling, 1)
+    log(f"read ceiling: {ceiling:.0f} GB/s")
+    log(f"(a) correctness of each variant against quant_gemm_reference  [{time.perf_counter() - t_start:.0f} s]")
+    summary["correctness"] = check_variants()
+    save()
+    if not args.skip_timing:
+        variants = dict(list(VARIANTS.items())[:2]) if args.quick else VARIANTS
+        int8 = INT8_VARIANTS[:1] if args.quick else INT8_VARIANTS
+        since = time.perf_counter() - t_start
+        log(f"(b) µs per call in a fori_loop over stacked layers, GB/s in each row's bytes  [{since:.0f} s]")
+        time_shapes(ceiling, variants, int8)
+        if not RUN["dry"]:
+            log(f"(d) torch tinygemm int4  [{time.perf_counter() - t_start:.0f} s]")
+            time_torch_tinygemm(ceiling)
+    save()
+    log("\nshape    M   impl       variant             µs     GB/s  %ceil")
+    for r in ROWS:
+        if r["us"] is not None:
+            name = f"{r['shape']:8s} {r['m']:<3d} {r['impl']:10s} {r['variant']:16s}"
+            log(f"{name} {r['us']:8.2f} {r['gb_s']:7.0f} {r['pct_ceiling']:6.1f}")
+    print(json.dumps(summary, separators=(",", ":")))
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
