@@ -12,6 +12,7 @@ A variant is words separated by spaces:
   loop_mode=slice|inplace    how the layer scan reads the stacked weights
   tp=N                       split over N GPUs (`TPForward.from_model` of the one copy of the weights)
   allreduce=psum|kernel      under tp > 1: XLA's psum, or the engine's all-reduce kernel (the default)
+  quantize=int8|int4         the projections quantized (`model.quantize_weights`, groups of 128), a copy
   HOOK=off                   turns a kernel hook off (HOOK: a `jaxdecode.model.Hook` value, e.g. qkv_attend)
   HOOK:KW=V                  the default hook with keyword KW set, e.g. rms_norm:num_warps=8
   HOOK:KW.FIELD=V            a field of a block-size keyword, e.g. sdpa:block_sizes.num_warps=2 or
@@ -61,6 +62,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before J
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from jaxdecode.bench import (  # noqa: E402
     cache_length,
@@ -76,7 +78,8 @@ from jaxdecode.cost import decode_cost  # noqa: E402
 from jaxdecode.decode import Engine, default_dtype  # noqa: E402
 from jaxdecode.loading import load_model  # noqa: E402
 from jaxdecode.looped_model import KERNEL_CALLS, TP_CALLS, default_loop_mode, kernel_stacked_dot  # noqa: E402
-from jaxdecode.model import Hook  # noqa: E402
+from jaxdecode.model import Hook, quantize_weights  # noqa: E402
+from jaxdecode.quantized import QUANTIZE_FORMATS  # noqa: E402
 from jaxdecode.tp import TPForward  # noqa: E402
 
 LOOP_MODES = ("slice", "inplace")
@@ -93,6 +96,7 @@ class Variant:
     loop_mode: str | None = None
     tp: int = 1
     allreduce: str | None = None
+    quantize: str | None = None
     hooks: dict = dataclasses.field(default_factory=dict)  # hook name or STACKED_DOT -> None (off) or {kw: value}
     env: dict = dataclasses.field(default_factory=dict)
 
@@ -200,6 +204,8 @@ def parse_variant(spec: str) -> Variant:
             kw["tp"] = int(value)
         elif head == "allreduce" and value in ALLREDUCE:
             kw["allreduce"] = value
+        elif head == "quantize" and value in QUANTIZE_FORMATS:
+            kw["quantize"] = value
         elif colon and name == "env" and "=" in rest:
             key, _, val = rest.partition("=")
             kw["env"][key] = val
@@ -220,7 +226,8 @@ def parse_variant(spec: str) -> Variant:
         else:
             raise ValueError(
                 f"variant {spec!r}: cannot read {word!r}; words: base, unrolled, loop_mode={'|'.join(LOOP_MODES)}, "
-                f"tp=N, allreduce={'|'.join(ALLREDUCE)}, HOOK=off, HOOK:KW=V, HOOK:KW.FIELD=V (HOOK: "
+                f"tp=N, allreduce={'|'.join(ALLREDUCE)}, quantize={'|'.join(QUANTIZE_FORMATS)}, "
+                f"HOOK=off, HOOK:KW=V, HOOK:KW.FIELD=V (HOOK: "
                 f"{', '.join(hookable)}), env:NAME=V, xla:FLAG=V"
             )
     v = Variant(spec, **kw)
@@ -237,6 +244,8 @@ def parse_variant(spec: str) -> Variant:
 def build_engine(model, v: Variant):
     """The variant's engine on one copy of the weights (split over v.tp devices by `TPForward.from_model`)."""
     kw = dict(loop_layers=v.loop_layers, hooks=v.engine_hooks(), stacked_dot=v.engine_stacked_dot())
+    if v.quantize:  # a quantized copy: new arrays in new modules, the dense weights stay for the next variant
+        model = quantize_weights(nnx.merge(*nnx.split(model)), v.quantize)
     if v.tp == 1:
         return Engine(model, loop_mode=v.loop_mode, **kw)
     mode = v.loop_mode or default_loop_mode()
@@ -278,7 +287,8 @@ def measure_row(engine, v: Variant, head: dict, prompts: np.ndarray, args, ceili
     runs = [time_engine(engine, prompts, context=context, steps=args.steps) for _ in range(args.repeats)]
     step_s = statistics.median(t.decode_s / t.steps for t in runs)
     steps = runs[0].steps
-    moved = decode_cost(cfg, batch=batch, context=context + args.prompt_len + steps // 2, itemsize=itemsize).bytes
+    mean_context = context + args.prompt_len + steps // 2
+    moved = decode_cost(cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=v.quantize).bytes
     row = dict(
         head,
         model=args.model,
