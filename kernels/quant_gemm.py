@@ -212,6 +212,10 @@ def _kernel(
 # Kernel wrapper: partial sums [splits, N, M8] f32 of the scaled codes (offsets not included)
 
 
+class UntiledShape(ValueError):
+    """A shape, dtype or block size the Mosaic kernel does not tile (the XLA reference still computes it)."""
+
+
 def _check(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None):
     """ValueError with the numbers for what the op (cfg=None: the reference; else the kernel) cannot take."""
     m, k = x.shape
@@ -234,19 +238,19 @@ def _check(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None):
     if cfg is None:
         return
     if cfg.scale_in not in ("acc", "w"):
-        raise ValueError(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
+        raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
     if x.dtype not in X_DTYPES:
-        raise ValueError(f"the mosaic kernel takes bf16 or f16 x, got {x.dtype}: use impl='xla' (f32 throughout)")
+        raise UntiledShape(f"the mosaic kernel takes bf16 or f16 x, got {x.dtype}: use impl='xla' (f32 throughout)")
     m8 = -(-m // 8) * 8
     if m8 > 256:
-        raise ValueError(f"the mosaic quant GEMM takes M <= 256 (the wgmma N side), got M={m}")
+        raise UntiledShape(f"the mosaic quant GEMM takes M <= 256 (the wgmma N side), got M={m}")
     if cfg.tile_n % 64 or n % cfg.tile_n:
-        raise ValueError(f"N={n} must be a multiple of tile_n={cfg.tile_n}, itself a multiple of 64")
+        raise UntiledShape(f"N={n} must be a multiple of tile_n={cfg.tile_n}, itself a multiple of 64")
     bits = _bits(codes.dtype)
     if k % cfg.tile_k:
-        raise ValueError(f"K={k} must be a multiple of tile_k={cfg.tile_k}")
+        raise UntiledShape(f"K={k} must be a multiple of tile_k={cfg.tile_k}")
     if not _tile_k_ok(cfg.tile_k, group, bits):
-        raise ValueError(
+        raise UntiledShape(
             f"tile_k={cfg.tile_k} must be a multiple or divisor of G={group}; {codes.dtype} codes need min(G, "
             f"tile_k) a multiple of {128 // bits} and tile_k a multiple of {_chunk(min(group, cfg.tile_k), bits)}"
         )
@@ -268,11 +272,11 @@ def _mosaic_call(layer, x, codes, scales, group: int, cfg: QuantBlocks, interpre
     splits = _k_splits(n, k, cfg)
     steps = k // cfg.tile_k
     if steps % splits:
-        raise ValueError(f"K={k} has {steps} steps of tile_k={cfg.tile_k}: not divisible by k_splits={splits}")
+        raise UntiledShape(f"K={k} has {steps} steps of tile_k={cfg.tile_k}: not divisible by k_splits={splits}")
     per_stage = stage_bytes(cfg)
     stages = max(1, min(cfg.max_concurrent_steps, steps // splits, cfg.smem_bytes // per_stage))
     if per_stage > cfg.smem_bytes:
-        raise ValueError(f"one pipeline stage of {per_stage} bytes exceeds smem_bytes={cfg.smem_bytes} at M={m}")
+        raise UntiledShape(f"one pipeline stage of {per_stage} bytes exceeds smem_bytes={cfg.smem_bytes} at M={m}")
     kernel = functools.partial(
         _kernel,
         tile_n=cfg.tile_n,

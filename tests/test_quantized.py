@@ -16,14 +16,16 @@ from flax import nnx
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as QT
 
-from jaxdecode.config import get_preset
+from jaxdecode.config import ModelConfig, get_preset
 from jaxdecode.cost import decode_cost, quantized_bytes
 from jaxdecode.decode import Engine
+from jaxdecode.looped_model import kernel_quant_dot
 from jaxdecode.memory import estimate
-from jaxdecode.model import init_random, quantize_weights
+from jaxdecode.model import Hook, init_random, quantize_weights
 from jaxdecode.quantized import QuantizedWeight, check_quantized, matmul, quant_dot, quantize
 from jaxdecode.weights.quant import FORMATS
 from jaxdecode.weights.repack import REPACKED, repack, repacked_bytes
+from kernels.quant_gemm import QuantBlocks
 
 F32_EPS = 2.0**-24  # float32 unit roundoff
 
@@ -177,3 +179,30 @@ def test_layers_that_never_repeat_run_unrolled():
         assert not looped.loop_layers and looped.looped_forward is None
         want = Engine(m, loop_layers=False).generate([[1, 2, 3]], max_new_tokens=4).token_ids
         assert looped.generate([[1, 2, 3]], max_new_tokens=4).token_ids == want
+
+
+# A config whose widths the quantized kernel tiles (N and K multiples of 64), small enough for the interpreter.
+TILED = ModelConfig("tiny-tiled", 97, 128, 2, 2, 1, 256, max_seq_len=64)
+INTERPRET_BLOCKS = QuantBlocks(tile_n=64, tile_k=64, max_concurrent_steps=2)
+
+
+def test_inplace_engine_reads_quantized_stacks_with_the_kernel():
+    """The in-place looped decode hands every quantized dot to `kernel_quant_dot` (Mosaic GPU's interpreter
+    on the CPU: the kernel reads codes[i] and scales[i] of the stacks in place) and matches the unrolled
+    model, whose dots XLA runs on the dequantized weights. bf16 activations: both round each dot's f32 sum
+    to bf16 (2^-8 relative), and the sums differ in order, so the logits agree to a few bf16 ulps."""
+    model = quantize_weights(init_random(TILED, seed=8, dtype=jnp.bfloat16), "int4", group=32)
+    calls = []
+
+    def counted(*args, **kwargs):
+        out = kernel_quant_dot(*args, impl="mosaic", block_sizes=INTERPRET_BLOCKS, interpret=True, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    hooks = {h: None for h in Hook if h != Hook.QUANT_DOT} | {Hook.QUANT_DOT: counted}
+    engine = Engine(model, loop_mode="inplace", hooks=hooks, stacked_dot=lambda *a: None)
+    tokens = np.array([[3, 14, 15, 92, 65]])
+    got = engine.forward_logits(tokens)
+    want = Engine(model, loop_layers=False).forward_logits(tokens)
+    assert calls and all(calls)  # 7 projections of the layer body, traced once for the scan
+    np.testing.assert_allclose(got, want, rtol=2**-6, atol=4 * 2**-8 * np.abs(want).max())
