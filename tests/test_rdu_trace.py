@@ -10,7 +10,7 @@ from jax.extend import core as jcore
 from jaxdecode.config import get_preset
 from jaxdecode.cost import decode_cost
 from jaxdecode.looped_model import LoopedForward
-from jaxdecode.model import Hook, Transformer
+from jaxdecode.model import Hook, Transformer, init_random, quantize_weights
 from rdu.trace import trace, trace_decode_step
 
 F32 = jnp.float32
@@ -97,10 +97,15 @@ def test_every_hook_is_a_named_call_of_the_traced_decode_step(looped):
     plan = LoopedForward(graphdef, params, cfg).plan(1, 1, 64, jnp.bfloat16)
     jaxpr = plan.jaxpr if looped else plan.original_jaxpr
     names = _call_names(getattr(jaxpr, "jaxpr", jaxpr))
-    assert {h for h in Hook if h not in names} == set(), sorted(names)
+    dense_hooks = {h for h in Hook if h != Hook.QUANT_DOT}  # quant_dot: only where weights are quantized
+    assert {h for h in dense_hooks if h not in names} == set(), sorted(names)
     g = trace_decode_step(cfg, 1, 64, looped=looped)
     calls = {n.name for n, _ in g.walk() if n.kind == "call"}
-    assert {h for h in Hook if h not in calls} == set(), sorted(calls)
+    assert {h for h in dense_hooks if h not in calls} == set(), sorted(calls)
+    quantized = quantize_weights(init_random(cfg, dtype=jnp.bfloat16), "int8", group=16)
+    graphdef, params = nnx.split(quantized)
+    plan = LoopedForward(graphdef, params, cfg).plan(1, 1, 64, jnp.bfloat16)
+    assert Hook.QUANT_DOT in _call_names((plan.jaxpr if looped else plan.original_jaxpr).jaxpr)
 
 
 @pytest.mark.parametrize(
