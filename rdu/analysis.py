@@ -63,12 +63,13 @@ def analyze(
     gpu_name: str = "h200",
     constants: str = "published",
     n_gpus: int = 1,
+    quantize: str | None = None,
 ) -> Analysis:
     """Trace the decode step of `cfg`, map it on each socket count, simulate looped and unlooped, and
     estimate the GPU (`n_gpus` tensor parallel); `constants` picks the published or the fitted free
     constants (rdu/fitted.json); `result` is the JSON object of `jaxdecode rdu --json`."""
     hw = sn40l(hbm_tb_s, constants)
-    graph = trace_decode_step(cfg, batch, context)
+    graph = trace_decode_step(cfg, batch, context, quantize=quantize)
     result = {
         "model": cfg.name,
         "batch": batch,
@@ -112,7 +113,7 @@ def analyze(
         )
         runs.append(SocketRun(p, m, on, off))
     spec = gpu(gpu_name, constants)
-    unrolled = trace_decode_step(cfg, batch, context, looped=False)
+    unrolled = trace_decode_step(cfg, batch, context, looped=False, quantize=quantize)
     result["gpu"] = {}
     estimates = {}
     for mode in GPU_REPORT_MODES:

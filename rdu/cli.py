@@ -31,6 +31,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="SN40L HBM bandwidth per socket (published: 1.6, 1.8, 2.0)",
     )
     p.add_argument("--gpu", default="h200", choices=("h100", "h200"))
+    p.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        default=None,
+        help="weights quantized as `jaxdecode --quantize` stores them",
+    )
     p.add_argument("--gpus", type=int, default=1, help="GPUs of one node, tensor parallel (1..8)")
     p.add_argument(
         "--constants",
@@ -89,6 +95,7 @@ def run(args) -> int:
         gpu_name=args.gpu,
         constants=getattr(args, "constants", "published"),
         n_gpus=n_gpus,
+        quantize=getattr(args, "quantize", None),
     )
     if not a.fitting:  # no socket count asked for holds the model: say why (the first reason), exit 2
         return _fail(a.runs[0].reason)

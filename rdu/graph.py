@@ -34,11 +34,11 @@ INPLACE_OPS = frozenset({"scatter", "scatter-add", "scatter_add", "dynamic_updat
 class TensorInfo:
     shape: tuple[int, ...]
     dtype: str
-    itemsize: int
+    itemsize: float  # bytes per element: 0.5 for int4 (packed two to a byte on the device)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
+        return math.ceil(math.prod(self.shape) * self.itemsize)
 
     @property
     def size(self) -> int:

@@ -131,7 +131,8 @@ def _info(aval) -> TensorInfo | None:
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return None  # tokens and other non-array values
-    return TensorInfo(tuple(int(d) for d in shape), jnp.dtype(dtype).name, jnp.dtype(dtype).itemsize)
+    bits = 4 if jnp.dtype(dtype) in (jnp.int4, jnp.uint4) else 8 * jnp.dtype(dtype).itemsize
+    return TensorInfo(tuple(int(d) for d in shape), jnp.dtype(dtype).name, bits / 8)
 
 
 def _infos(atoms) -> list[TensorInfo]:
@@ -371,23 +372,36 @@ def trace(fn, *args, name: str | None = None, **kwargs) -> DataflowGraph:
 
 @functools.lru_cache(maxsize=32)
 def trace_decode_step(
-    cfg, batch: int = 1, context: int = 4096, *, looped: bool = True, dtype: str = "bfloat16"
+    cfg,
+    batch: int = 1,
+    context: int = 4096,
+    *,
+    looped: bool = True,
+    dtype: str = "bfloat16",
+    quantize: str | None = None,
 ) -> DataflowGraph:
     """The decode step of `cfg` (one new token per sequence, a cache of `context` rows) as a graph.
 
     Built from shapes only (`nnx.eval_shape`), so no weights are allocated, even for 405B. `looped`
     traces the kernel-looped forward (one `scan` of length L); otherwise the unrolled one (L `jit`
-    calls of `decoder_layer_call`).
+    calls of `decoder_layer_call`). `quantize` ("int8" | "int4"): the projections as
+    `model.quantize_weights` stores them, so the graph reads their codes and scales.
     """
     from flax import nnx
 
     from jaxdecode.looped_model import LoopedForward
-    from jaxdecode.model import Transformer
+    from jaxdecode.model import Transformer, quantize_weights
 
     dt = jnp.dtype(dtype)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dt, rngs=nnx.Rngs(0)))
+
+    def build():
+        model = Transformer(cfg, dtype=dt, rngs=nnx.Rngs(0))
+        return quantize_weights(model, quantize) if quantize else model
+
+    abstract = nnx.eval_shape(build)
     graphdef, params = nnx.split(abstract)
     plan = LoopedForward(graphdef, params, cfg).plan(batch, 1, context, dt)
     jaxpr = plan.jaxpr if looped else plan.original_jaxpr
     mode = "looped" if looped else "unrolled"
-    return from_jaxpr(jaxpr, f"{cfg.name}:decode:{mode}:B{batch}:S{context}")
+    suffix = f":{quantize}" if quantize else ""
+    return from_jaxpr(jaxpr, f"{cfg.name}:decode:{mode}:B{batch}:S{context}{suffix}")

@@ -162,3 +162,16 @@ def test_flops_agree_with_xla_cost_analysis(name, flop_tol):
     assert g.total_flops() == pytest.approx(compiled["flops"], rel=flop_tol)
     assert g.total_transcendentals() == pre["transcendentals"]
     assert g.total_op_bytes() == pytest.approx(pre["bytes accessed"], rel=0.5)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_bytes_agree_with_cost_py(quantize):
+    """The traced step of a quantized 8B reads its codes (int4: half a byte each) and float32 scales: the
+    bytes cost.py counts for `quantize`, plus the same small activations as the dense step."""
+    cfg = get_preset("llama-3.1-8b")
+    g = trace_decode_step(cfg, 1, 1024, quantize=quantize)
+    c = decode_cost(cfg, batch=1, context=1024, itemsize=2, quantize=quantize)
+    assert g.fused_bytes == pytest.approx(c.bytes, rel=0.01)
+    assert g.fused_bytes >= c.bytes
+    dense = decode_cost(cfg, batch=1, context=1024, itemsize=2)
+    assert g.fused_bytes < dense.bytes * (0.6 if quantize == "int8" else 0.3)
