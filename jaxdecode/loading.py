@@ -63,9 +63,8 @@ def load_model(
     elif spec in PRESETS:
         cfg = get_preset(spec)
         if check_memory:
-            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len))
-        model = init_random(cfg, seed=seed, dtype=dtype)
-        return LoadedModel(quantize_weights(model, quantize) if quantize else model, None, "random")
+            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), quantize=quantize)
+        return LoadedModel(init_random(cfg, seed=seed, dtype=dtype, quantize=quantize), None, "random")
     if path.is_dir():
         cfg, tensors = load_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None

@@ -375,9 +375,39 @@ class Transformer(nnx.Module):
         return x, new_k, new_v
 
 
-def init_random(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Transformer:
-    """A model with random weights (normal, scaled 1/sqrt(fan_in)) for any config: tests and benchmarks."""
-    return Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+def init_random(
+    cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, quantize: str | None = None, group: int = DEFAULT_GROUP
+) -> Transformer:
+    """A model with random weights (normal, scaled 1/sqrt(fan_in)) for any config: tests and benchmarks.
+
+    With `quantize` the projections are drawn and quantized one at a time (`quantize_weights`' layout), so
+    the dense model never exists: a 70B at 4 bits fits where its bf16 weights would not. The values then
+    differ from the dense model of the same seed."""
+    if quantize is None:
+        return Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+    model.inv_freq.set_value(jnp.asarray(rope_inv_freq(cfg)))
+    key = jax.random.key(seed)
+    tied_table = (("embed_tokens", "embedding"),) if model.lm_head is None else ()
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Param):
+            continue
+        key, sub = jax.random.split(key)
+        shape = node.get_value().shape
+        if path[-1] == "weight" and len(shape) == 2 or tuple(path[-2:]) in tied_table:
+            k, n = shape[::-1] if tuple(path[-2:]) in tied_table else shape  # the table [V, D] is the head's [N, K]
+            node.set_value(_random_quantized(sub, k, n, quantize, math.gcd(group, k)))
+        elif len(shape) == 2:  # an untied embedding table [V, D]
+            node.set_value((jax.random.normal(sub, shape, jnp.float32) * shape[1] ** -0.5).astype(dtype))
+        else:  # norm weights, biases
+            node.set_value(jnp.ones(shape, dtype) if path[-1] == "weight" else jnp.zeros(shape, dtype))
+    return model
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_quantized(key, k: int, n: int, fmt: str, group: int):
+    """A normal [K, N] weight scaled 1/sqrt(K), quantized, in one jitted call (the dense draw is freed)."""
+    return quantize(jax.random.normal(key, (k, n), jnp.float32) * k**-0.5, fmt, group)
 
 
 def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Transformer:

@@ -206,3 +206,19 @@ def test_inplace_engine_reads_quantized_stacks_with_the_kernel():
     want = Engine(model, loop_layers=False).forward_logits(tokens)
     assert calls and all(calls)  # 7 projections of the layer body, traced once for the scan
     np.testing.assert_allclose(got, want, rtol=2**-6, atol=4 * 2**-8 * np.abs(want).max())
+
+
+def test_random_quantized_init_makes_no_dense_projection():
+    """`init_random(quantize=)` draws each projection and quantizes it at once: every projection (and a tied
+    table) is a QuantizedWeight of the config's shape, norms are ones, and the model decodes."""
+    cfg = get_preset("tiny-mqa")
+    model = init_random(cfg, seed=2, quantize="int4")
+    projections = [
+        getattr(layer.self_attn, p).weight.get_value() for layer in model.layers for p in ("q_proj", "o_proj")
+    ] + [model.embed_tokens.embedding.get_value()]
+    assert all(isinstance(w, QuantizedWeight) for w in projections)
+    assert projections[-1].shape == (cfg.dim, cfg.vocab_size) and projections[0].shape == (cfg.dim, cfg.q_dim)
+    w = np.asarray(projections[0].dequantize())
+    assert abs(w.std() * np.sqrt(cfg.dim) - 1) < 0.2  # normal / sqrt(fan_in), through 4-bit rounding
+    np.testing.assert_array_equal(np.asarray(model.layers[0].input_layernorm.weight.get_value()), 1.0)
+    assert len(Engine(model).generate([[1, 2, 3]], max_new_tokens=3).token_ids[0]) == 3
