@@ -137,6 +137,7 @@ def suite_plan(args) -> SuitePlan:
         seed=args.seed,
         budget_s=args.budget_s,
         ceiling_gib=args.ceiling_gib,
+        quantize=args.quantize,
     )
 
 

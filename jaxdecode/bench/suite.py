@@ -94,12 +94,15 @@ def make_row(
     ceiling: float,
     cache_len: int,
     extra: dict,
+    quantize: str | None = None,
 ) -> dict:
     step_s = timing.decode_s / timing.steps
-    moved = decode_cost(cfg, batch=batch, context=context + prompt_len + timing.steps // 2, itemsize=itemsize).bytes
+    mean_context = context + prompt_len + timing.steps // 2
+    moved = decode_cost(cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=quantize).bytes
     return {
         "model": model,
         "system": system,
+        "quantize": quantize,
         "batch": batch,
         "context": context,
         "prompt_len": prompt_len,
@@ -118,14 +121,24 @@ def make_row(
 
 
 def estimate_s(
-    system: str, cfg, *, batch: int, context: int, prompt_len: int, steps: int, backend: str, ceiling: float
+    system: str,
+    cfg,
+    *,
+    batch: int,
+    context: int,
+    prompt_len: int,
+    steps: int,
+    backend: str,
+    ceiling: float,
+    quantize: str | None = None,
 ) -> float:
     """Seconds for one row: compile + first chunk, then the timed prefill and steps (see `EST`)."""
     compile_s, eff = EST["gpu" if backend == "gpu" else "cpu"][system]
     itemsize = 2 if backend == "gpu" else 4
-    step_s = decode_cost(cfg, batch=batch, context=context + prompt_len + steps // 2, itemsize=itemsize).bytes / (
-        ceiling * 1e9 * eff
+    moved = decode_cost(
+        cfg, batch=batch, context=context + prompt_len + steps // 2, itemsize=itemsize, quantize=quantize
     )
+    step_s = moved.bytes / (ceiling * 1e9 * eff)
     return compile_s + (steps + chunking(steps)[0]) * step_s
 
 
@@ -141,6 +154,7 @@ class SuitePlan:
     budget_s: float | None = None  # skip a row whose estimate no longer fits
     ceiling_gib: float | None = None
     only: dict[str, set[tuple[int, int]]] = field(default_factory=dict)  # peer -> its only (batch, context)s
+    quantize: str | None = None  # "int8" | "int4": our engine and the unrolled peer on quantized weights
 
     @property
     def systems(self) -> list[str]:
@@ -158,6 +172,9 @@ class SuitePlan:
         bad = [p for p in self.peers if p not in PEERS]
         if bad:
             raise ValueError(f"unknown peer {bad[0]!r}; peers: {', '.join(PEERS)}")
+        hf = [p for p in self.peers if p.startswith("hf")]
+        if self.quantize and hf:
+            raise ValueError(f"--quantize: the HF peers ({', '.join(hf)}) run bf16 weights; time them without it")
         if min(self.batches) < 1 or min(self.contexts) < 0 or self.prompt_len < 1 or self.steps < 1:
             raise ValueError("need batches >= 1, contexts >= 0, --prompt-len >= 1 and --steps >= 1")
         for name in self.models:
@@ -181,6 +198,7 @@ class SuitePlan:
                     steps=self.steps,
                     backend=backend,
                     ceiling=ceiling,
+                    quantize=self.quantize,
                 )
                 for s in self.systems
                 if (b, c) in self.configs(s)
@@ -237,13 +255,15 @@ def run_suite(plan: SuitePlan, *, out_dir: str | None = None, emit=print) -> dic
         cfg = get_preset(name)
         max_len = cache_length(max(plan.contexts), plan.prompt_len, plan.steps + chunking(plan.steps)[0])
         try:  # the largest cache of the model's configs, with the packed copy of the weights
-            est = preflight(cfg, itemsize=itemsize, batch=max(plan.batches), context=max_len, looped=True)
+            est = preflight(
+                cfg, itemsize=itemsize, batch=max(plan.batches), context=max_len, looped=True, quantize=plan.quantize
+            )
             print(f"{name}: memory preflight {est.describe()}", file=sys.stderr)
         except ValueError as e:
             errors.append(f"{name}: {e}")
             print(errors[-1], file=sys.stderr)
             continue
-        model = init_random(cfg, seed=plan.seed, dtype=dtype)
+        model = init_random(cfg, seed=plan.seed, dtype=dtype, quantize=plan.quantize)
         rng = np.random.default_rng(plan.seed)
         prompts = {b: rng.integers(0, cfg.vocab_size, (b, plan.prompt_len)) for b in sorted(plan.batches)}
         ours: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
@@ -283,6 +303,7 @@ def run_suite(plan: SuitePlan, *, out_dir: str | None = None, emit=print) -> dic
                     ceiling=ceiling,
                     cache_len=cache_length(c, plan.prompt_len, timing.steps),
                     extra=extra,
+                    quantize=plan.quantize,
                 )
                 row.update(
                     est_s=round(guess, 1),
