@@ -61,8 +61,10 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
 
 def quantized_bytes(params: int, quantize: str, group: int = DEFAULT_GROUP) -> int:
     """Bytes of `params` weights quantized by `jaxdecode.quantized.quantize`: the codes and a float32 scale
-    per group (a width the group does not divide takes a smaller group there; counted at `group`)."""
-    return params * QUANTIZE_FORMATS[quantize] // 8 + params // group * 4
+    per group, and for int4 a float32 offset (a width the group does not divide takes a smaller group
+    there; counted at `group`)."""
+    per_group = 4 if quantize == "int8" else 8
+    return params * QUANTIZE_FORMATS[quantize] // 8 + params // group * per_group
 
 
 def decode_cost(

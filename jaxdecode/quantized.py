@@ -7,10 +7,10 @@ One format serves every source, so one kernel family reads them all:
 - `codes` [N, K] int4 or int8: output rows with K contiguous, GGUF's own [out, in] order, so a kernel
   tile [tile_n, tile_k] is the wgmma operand with K as its minor axis (`kernels.quant_gemm`).
 - `scales`, `offsets` [K/G, N]: one row per group, so a group's N scales are one contiguous vector the
-  kernel multiplies into its accumulator rows. `offsets` is None for symmetric formats.
+  kernel multiplies into its accumulator rows. `offsets` is None for symmetric formats (int8, Q8_0, ...).
 - G, the group size, is K / scales.shape[-2]; stacked layers add a leading [L] to all three.
 
-Sources: `quantize` (round to nearest, symmetric, `--quantize int8|int4`) and
+Sources: `quantize` (round to nearest, `--quantize int8|int4`) and
 `jaxdecode.weights.gguf_repack` (GGUF blocks repacked without loss into this layout). The logical shape
 is the dense weight's, [K, N] (`Linear.weight` is [in, out]), so shape checks read the same for both.
 """
@@ -136,22 +136,32 @@ def embed_rows(w, ids: Array, dtype) -> Array:
 
 
 def quantize(w, fmt: str, group: int = DEFAULT_GROUP) -> QuantizedWeight:
-    """Round-to-nearest symmetric quantization of a dense [K, N] weight (numpy or jax), per group of
-    `group` values along K: scale = max|w| / (2^(bits-1) - 1) of the group, codes = round(w / scale),
-    scales float32. int4 codes are -7..7 and int8 -127..127, so the largest value is exact."""
+    """Round-to-nearest quantization of a dense [K, N] weight (numpy or jax), per group of `group` values
+    along K, scales (and offsets) float32:
+    - "int8", symmetric: scale = max|w| / 127, codes = round(w / scale) in -127..127;
+    - "int4", asymmetric (min to max over 16 levels, as Q4_1 and gpt-fast's int4): scale = (max - min) / 15,
+      codes = round((w - min) / scale) - 8 in -8..7, offset = min + 8·scale. At 4 bits a symmetric grid
+      wastes a level and the half of its range a skewed group does not use: on SmolLM2 it raised the
+      next-token KL divergence tenfold (docs/log/).
+    The group's extremes are exact up to one f32 rounding."""
     if fmt not in QUANTIZE_FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZE_FORMATS)}")
     k, n = w.shape[-2:]
     if group < 1 or k % group:
         raise ValueError(f"group size {group} does not divide K={k} (weight {tuple(w.shape)})")
-    qmax = 2 ** (QUANTIZE_FORMATS[fmt] - 1) - 1
     rows = jnp.swapaxes(jnp.asarray(w, jnp.float32), -1, -2)  # [..., N, K]
     g = rows.reshape(*rows.shape[:-1], k // group, group)  # [..., N, K/G, G]
-    amax = jnp.max(jnp.abs(g), axis=-1)  # [..., N, K/G]
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    codes = jnp.clip(jnp.round(g / scale[..., None]), -qmax, qmax).reshape(rows.shape)  # [..., N, K]
-    dtype = jnp.int4 if fmt == "int4" else jnp.int8
-    return QuantizedWeight(codes.astype(dtype), jnp.swapaxes(scale, -1, -2), None, fmt)
+    if fmt == "int8":
+        amax = jnp.max(jnp.abs(g), axis=-1)  # [..., N, K/G]
+        scale = jnp.where(amax > 0, amax / 127, 1.0)
+        codes = jnp.clip(jnp.round(g / scale[..., None]), -127, 127).reshape(rows.shape)  # [..., N, K]
+        return QuantizedWeight(codes.astype(jnp.int8), jnp.swapaxes(scale, -1, -2), None, fmt)
+    lo, hi = jnp.min(g, axis=-1), jnp.max(g, axis=-1)  # [..., N, K/G]
+    scale = jnp.where(hi > lo, (hi - lo) / 15, 1.0)
+    codes = jnp.clip(jnp.round((g - lo[..., None]) / scale[..., None]), 0, 15) - 8  # [..., N, K/G, G]
+    offset = lo + 8 * scale
+    t = lambda a: jnp.swapaxes(a, -1, -2)  # [..., N, K/G] -> [..., K/G, N]
+    return QuantizedWeight(codes.reshape(rows.shape).astype(jnp.int4), t(scale), t(offset), fmt)
 
 
 def weight_bytes(w) -> int:
