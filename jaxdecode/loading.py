@@ -20,7 +20,7 @@ from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.looped_model import default_loop_mode
 from jaxdecode.memory import preflight
 from jaxdecode.model import Transformer, init_random, load_state_dict, quantize_weights
-from jaxdecode.quantized import QUANTIZE_FORMATS, is_quantized
+from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, is_quantized
 from jaxdecode.tokenizer import Tokenizer
 from jaxdecode.tp import TPForward, make_mesh
 from jaxdecode.weights.checks import WeightsError, not_regular
@@ -47,12 +47,14 @@ def load_model(
     check_memory: bool = True,
     quantize: str | None = None,
     dequantize: bool = False,
+    group: int = DEFAULT_GROUP,
 ) -> LoadedModel:
     """Load `spec`: a preset name, a .gguf file or a HF directory. Raises ValueError on bad input.
 
     A GGUF file's quantized matrices stay quantized on the device (`jaxdecode.weights.repack`) unless
     `dequantize`; `quantize` ("int8" | "int4") quantizes every projection of a dense model
-    (`model.quantize_weights`, round to nearest per group of 128), a GGUF file's after dequantizing it.
+    (`model.quantize_weights`, round to nearest per `group` inputs), a GGUF file's after dequantizing it; a
+    preset's random weights are then drawn quantized (`init_random`), never dense.
     `dtype` is the activations' (and dense weights') dtype.
 
     Before any tensor is read: the file's header (GGUF tensor infos, safetensors headers) is checked
@@ -66,9 +68,8 @@ def load_model(
     if spec in PRESETS and spec != DEFAULT_MODEL:
         cfg = get_preset(spec)
         if check_memory:
-            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len))
-        model = init_random(cfg, seed=seed, dtype=dtype)
-        return LoadedModel(quantize_weights(model, quantize) if quantize else model, None, "random")
+            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), quantize=quantize)
+        return LoadedModel(init_random(cfg, seed=seed, dtype=dtype, quantize=quantize, group=group), None, "random")
     path = default_model_path() if spec == DEFAULT_MODEL else model_path(spec)
     if path.is_dir():
         checkpoint = read_hf_dir(path)
@@ -91,7 +92,7 @@ def load_model(
     load_state_dict(model, {k: v if is_quantized(v) else np.asarray(v) for k, v in tensors.items()})
     del tensors
     check_finite(model, path)
-    return LoadedModel(quantize_weights(model, quantize) if quantize else model, tokenizer, str(path))
+    return LoadedModel(quantize_weights(model, quantize, group) if quantize else model, tokenizer, str(path))
 
 
 def model_path(spec: str) -> Path:
