@@ -288,7 +288,9 @@ def measure_row(engine, v: Variant, head: dict, prompts: np.ndarray, args, ceili
     step_s = statistics.median(t.decode_s / t.steps for t in runs)
     steps = runs[0].steps
     mean_context = context + args.prompt_len + steps // 2
-    moved = decode_cost(cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=v.quantize).bytes
+    moved = decode_cost(
+        cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=v.quantize or args.quantize
+    ).bytes
     row = dict(
         head,
         model=args.model,
@@ -333,7 +335,9 @@ def run_variants(variants: list[tuple[int, Variant]], args, emit) -> None:
         raise ValueError(f"--profile reads GPU kernels from the trace; the backend here is {backend}")
     ceiling = read_ceiling_gb_s(args.ceiling_gib or (4 if backend == "gpu" else 0.25))
     print(f"read ceiling {ceiling:.1f} GB/s on {device_name()}", file=sys.stderr, flush=True)
-    model = load_model(args.model, dtype=default_dtype(), seed=args.seed).model
+    if args.quantize and any(v.quantize for _, v in variants):
+        raise ValueError("--quantize loads the weights quantized already; drop the variants' quantize= words")
+    model = load_model(args.model, dtype=default_dtype(), seed=args.seed, quantize=args.quantize).model
     for index, v in variants:
         try:
             engine = build_engine(model, v)
@@ -377,6 +381,7 @@ def child_command(args, spec: str) -> list[str]:
         "--seed",
         str(args.seed),
     ]
+    flags += ["--quantize", args.quantize] if args.quantize else []
     flags += ["--ceiling-gib", str(args.ceiling_gib)] if args.ceiling_gib else []
     flags += ["--profile"] * args.profile + ["--hlo"] * args.hlo
     return [sys.executable, os.path.abspath(__file__), *flags]
@@ -421,6 +426,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--variant", action="append", default=None, help="a variant (repeat the flag); default: base")
     p.add_argument("--model", default="llama-3.1-8b", help="a preset (random weights), .gguf file or HF directory")
+    p.add_argument(
+        "--quantize",
+        choices=tuple(QUANTIZE_FORMATS),
+        default=None,
+        help="load the weights quantized (a preset's are drawn quantized: a 70B at 4 bits fits where its bf16 "
+        "copy would not); every variant then runs on them",
+    )
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--contexts", default="1k", help="tokens already in the cache, e.g. 1k,4k (default 1k)")
     p.add_argument("--steps", type=int, default=64, help="greedy decode steps per timed run (default 64)")
