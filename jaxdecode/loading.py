@@ -176,5 +176,5 @@ def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
                 cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers, loop_mode=default_loop_mode()
             )
             return Engine(None, tp=tpf), None
-    loaded = load_model(spec, dtype=dtype)
+    loaded = load_model(spec, dtype=dtype, dequantize=True)  # the tensor-parallel splits take dense weights
     return Engine(loaded.model, loop_layers=loop_layers, tp=tp), loaded.tokenizer

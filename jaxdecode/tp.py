@@ -51,6 +51,7 @@ from jaxdecode.config import ModelConfig, TensorParallel, shard_config
 from jaxdecode.looped_model import LOOP_MODES, kernel_calls, kernel_stacked_dot
 from jaxdecode.looping import LoopPlan, Packed, kernel_loop
 from jaxdecode.model import Hook, Transformer, rope_cos_sin, rope_inv_freq
+from jaxdecode.quantized import is_quantized
 from kernels import allreduce as kernels_allreduce
 
 AXIS = "tp"
@@ -166,9 +167,12 @@ class TPForward:
 
     @classmethod
     def from_model(cls, model: Transformer, tp: int, **kwargs) -> TPForward:
-        """Slice a model's weights over tp devices (the model stays as it is)."""
-        self = cls(model.cfg, tp, dtype=model.embed_tokens.dtype, **kwargs)
+        """Slice a model's weights over tp devices (the model stays as it is). Dense weights only: the
+        splits of quantized codes and group scales are not built (ValueError)."""
         _, state = nnx.split(model)
+        if any(is_quantized(w) for w in jax.tree.leaves(state, is_leaf=is_quantized)):
+            raise ValueError("tensor parallelism takes dense weights; drop --tp, or load with --dequantize")
+        self = cls(model.cfg, tp, dtype=model.embed_tokens.dtype, **kwargs)
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
         if treedef != jax.tree.structure(self._global_specs):
             raise ValueError(f"model structure differs from {model.cfg.name}'s")
