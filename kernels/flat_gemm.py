@@ -58,7 +58,9 @@ def _stages(per_stage_bytes: int, cfg: BlockSizes, wanted: int) -> int:
     return max(1, min(wanted, fit))
 
 
-def _k_splits(n: int, k: int, cfg: BlockSizes) -> int:
+def k_splits(n: int, k: int, cfg) -> int:
+    """Split K over CTAs: cfg.k_splits, or the fewest halvings of K's steps that give cfg.target_ctas CTAs
+    with N / cfg.tile_n tiles (any block-size dataclass with those fields: `quant_gemm.QuantBlocks` too)."""
     if cfg.k_splits is not None:
         return cfg.k_splits
     steps, splits = k // cfg.tile_k, 1
@@ -169,7 +171,7 @@ def _mosaic_call(layer, x, ws, cfg: BlockSizes, interpret: bool, poison: bool):
     # shared memory: where two do not fit (SwiGLU at M = 128: 128 KiB a stage), halve tile_k.
     while 2 * stage_bytes(cfg) > cfg.smem_bytes and cfg.tile_k > 64:
         cfg = dataclasses.replace(cfg, tile_k=cfg.tile_k // 2)
-    splits = _k_splits(n, k, cfg)
+    splits = k_splits(n, k, cfg)
     x = jnp.pad(x, ((0, m8 - m), (0, 0)))  # [M8, K]
     per_stage = stage_bytes(cfg)
     stages = _stages(per_stage, cfg, cfg.max_concurrent_steps)
@@ -203,7 +205,7 @@ def _triton_call(layer, x, ws, cfg: BlockSizes, interpret: bool, gemv: bool, poi
         raise ValueError(f"gemv takes M = 1, got {m=}")
     if n % cfg.tile_n or k % cfg.tile_k:
         raise ValueError(f"{n=} / {k=} must be multiples of {cfg.tile_n=} / {cfg.tile_k=}")
-    splits = _k_splits(n, k, cfg)
+    splits = k_splits(n, k, cfg)
     k_len = k // splits
     x = jnp.pad(x, ((0, m_pad - m), (0, 0)))  # [Mp, K]
     out_shape = jax.ShapeDtypeStruct((splits, len(ws), m_pad, n), jnp.float32)

@@ -48,6 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels import flat_gemm
+
 CODE_DTYPES = (jnp.int4, jnp.int8)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 X_DTYPES = (jnp.bfloat16, jnp.float16)  # the kernel's wgmma dtypes; f32 x goes through impl="xla"
@@ -87,15 +89,6 @@ def _tile_k_ok(tile_k: int, group: int, bits: int) -> bool:
     layouts' column tiles (128 bits); the codes load in whole chunks."""
     gw = min(group, tile_k)
     return (tile_k % group == 0 or group % tile_k == 0) and gw % (128 // bits) == 0 and tile_k % _chunk(gw, bits) == 0
-
-
-def _k_splits(n: int, k: int, cfg: QuantBlocks) -> int:
-    if cfg.k_splits is not None:
-        return cfg.k_splits
-    steps, splits = k // cfg.tile_k, 1
-    while (n // cfg.tile_n) * splits < cfg.target_ctas and steps % (2 * splits) == 0:
-        splits *= 2
-    return splits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +262,7 @@ def _mosaic_call(layer, x, codes, scales, group: int, cfg: QuantBlocks, interpre
     # Large M: halve tile_k (while the halves still tile the groups) until two stages fit.
     while 2 * stage_bytes(cfg) > cfg.smem_bytes and _tile_k_ok(cfg.tile_k // 2, group, bits):
         cfg = dataclasses.replace(cfg, tile_k=cfg.tile_k // 2)
-    splits = _k_splits(n, k, cfg)
+    splits = flat_gemm.k_splits(n, k, cfg)
     steps = k // cfg.tile_k
     if steps % splits:
         raise UntiledShape(f"K={k} has {steps} steps of tile_k={cfg.tile_k}: not divisible by k_splits={splits}")
