@@ -229,7 +229,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 def _f32(x: float) -> float:
     """A float32 metadata value as the shortest decimal that round-trips (9.99999975e-06 → 1e-05)."""
-    return float(str(np.float32(x)))
+    with np.errstate(over="ignore"):  # a float64 value past float32's range becomes inf, refused by make_config
+        return float(str(np.float32(x)))
 
 
 def _meta(f: GGUFFile, key: str, kind: type, default: Any = None) -> Any:
@@ -305,17 +306,18 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> ModelConfig:
         vocab = len(tokens) if isinstance(tokens, list) else _meta(f, f"{arch}.vocab_size", int)
     theta = _f32(_meta(f, f"{arch}.rope.freq_base", float, 10000.0))
     eps = _f32(_meta(f, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-5))
-    if not (0 < theta < math.inf and 0 < eps < 1):
-        raise WeightsError(f"{f.path}: bad rope.freq_base {theta} or layer_norm_rms_epsilon {eps}")
     scaling_type = f.metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type not in ("none", "llama3"):
         raise WeightsError(f"{f.path}: unsupported rope scaling type {scaling_type!r}")
     rope_scaling = None
     if "rope_freqs.weight" in f.tensors:
+        if not 0 < theta < math.inf:  # the fit needs a valid base; make_config names a bad one otherwise
+            raise WeightsError(f"{f.path}: {arch}.rope.freq_base must be a positive float32 number, got {theta}")
         with np.errstate(all="ignore"):
             rope_scaling = _fit_llama3(f, f.tensor("rope_freqs.weight"), theta, head_dim)
     return make_config(
         f.path,
+        _config_keys(arch),
         name=name or f.path.stem,
         vocab_size=vocab,
         dim=dim,
@@ -331,6 +333,23 @@ def gguf_config(f: GGUFFile, name: str | None = None) -> ModelConfig:
         tie_embeddings="output.weight" not in f.tensors,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
     )
+
+
+def _config_keys(arch: str) -> dict[str, str]:
+    """ModelConfig field → the GGUF metadata key (or tensor) it comes from, for `make_config`'s messages."""
+    return {
+        "vocab_size": "token_embd.weight rows",
+        "dim": f"{arch}.embedding_length",
+        "n_layers": f"{arch}.block_count",
+        "n_heads": f"{arch}.attention.head_count",
+        "n_kv_heads": f"{arch}.attention.head_count_kv",
+        "ffn_dim": f"{arch}.feed_forward_length",
+        "head_dim": f"{arch}.attention.key_length",
+        "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon",
+        "rope_theta": f"{arch}.rope.freq_base",
+        "rope_scaling": "rope_freqs.weight",
+        "max_seq_len": f"{arch}.context_length",
+    }
 
 
 _GLOBAL_NAMES = {

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxdecode.config import ModelConfig, RopeScaling
-from jaxdecode.weights.checks import WeightsError, check_state_dict, make_config, open_map
+from jaxdecode.weights.checks import WeightsError, check_state_dict, make_config, open_map, read_text
 
 # safetensors dtype → numpy dtype (None: known, with its size, but not loadable as a float weight).
 _DTYPES: dict[str, tuple[Any, int]] = {
@@ -95,30 +95,31 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, SafetensorInfo], Any]:
     return infos, buf
 
 
-def _load_tensor(path: Path, info: SafetensorInfo, buf, dtype) -> np.ndarray:
-    np_dtype = _DTYPES[info.dtype][0]
-    if np_dtype is None:
-        raise WeightsError(f"{path}: tensor {info.name} has unsupported dtype {info.dtype} (quantized checkpoint?)")
+def _load_tensor(info: SafetensorInfo, buf, dtype) -> np.ndarray:
+    """One tensor of a float dtype (`read_hf_dir` refuses the others) read from the map and cast to `dtype`."""
     count = math.prod(info.shape)
     if count == 0:
         return np.zeros(info.shape, dtype)
-    return np.frombuffer(buf, np_dtype, count, info.offset).reshape(info.shape).astype(dtype)
+    return np.frombuffer(buf, _DTYPES[info.dtype][0], count, info.offset).reshape(info.shape).astype(dtype)
+
+
+_JSON_LIMIT = 1 << 26  # config.json and the index are a few kB; a larger "JSON" file is not one of them
 
 
 def _read_json(path: Path) -> dict:
+    text = read_text(path, "JSON", _JSON_LIMIT)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise WeightsError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise WeightsError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise WeightsError(f"{path}: expected a JSON object")
     return data
 
 
-def _rope(path: Path, raw: dict) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from either transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
+def _rope(path: Path, raw: dict) -> tuple[Any, RopeScaling | None]:
+    """(rope_theta, scaling) from either transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`);
+    `make_config` checks their values."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or params
     if not isinstance(params, dict) or not isinstance(scaling, dict):
@@ -134,47 +135,63 @@ def _rope(path: Path, raw: dict) -> tuple[float, RopeScaling | None]:
             float(scaling["factor"]),
             float(scaling["low_freq_factor"]),
             float(scaling["high_freq_factor"]),
-            int(scaling["original_max_position_embeddings"]),
+            scaling["original_max_position_embeddings"],
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WeightsError(f"{path}: bad llama3 rope scaling {scaling!r}: {e}") from None
 
 
+# ModelConfig field → config.json key, for `make_config`'s messages
+_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "head_dim": "head_dim",
+    "rms_norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+    "max_seq_len": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+    "qkv_bias": "attention_bias",
+}
+
+
 def hf_config(path: str | Path, raw: dict | None = None, name: str | None = None) -> ModelConfig:
-    """ModelConfig from a HF config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)."""
+    """ModelConfig from a HF config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), every
+    value checked as GGUF metadata is (`checks.make_config`)."""
     path = Path(path)
     raw = _read_json(path) if raw is None else raw
     archs = raw.get("architectures") or []
-    arch = _ARCHS.get(archs[0] if isinstance(archs, list) and archs else None)
+    arch = _ARCHS.get(archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None)
     if arch is None:
         raise WeightsError(f"{path}: unsupported architecture {archs!r}; supported: {', '.join(_ARCHS)}")
     theta, scaling = _rope(path, raw)
-    try:
-        n_heads = raw["num_attention_heads"]
-        fields = dict(
-            name=name or path.parent.name,
-            vocab_size=raw["vocab_size"],
-            dim=raw["hidden_size"],
-            n_layers=raw["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-            ffn_dim=raw["intermediate_size"],
-            head_dim=raw.get("head_dim"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_seq_len=raw.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-        )
-    except KeyError as e:
-        raise WeightsError(f"{path}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise WeightsError(f"{path}: bad field value: {e}") from None
-    for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
-        if type(fields[k]) is not int:
-            raise WeightsError(f"{path}: field for {k} must be an integer, got {fields[k]!r}")
-    return make_config(path, **fields)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if key not in raw:
+            raise WeightsError(f"{path}: missing field {key!r}")
+    n_heads = raw["num_attention_heads"]
+    kv_heads = raw.get("num_key_value_heads")
+    return make_config(
+        path,
+        _CONFIG_KEYS,
+        name=name or path.parent.name,
+        vocab_size=raw["vocab_size"],
+        dim=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=n_heads if kv_heads is None else kv_heads,
+        ffn_dim=raw["intermediate_size"],
+        head_dim=raw.get("head_dim"),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=raw.get("max_position_embeddings", 2048),
+        tie_embeddings=raw.get("tie_word_embeddings", False),
+        qkv_bias=arch == "qwen2" or raw.get("attention_bias", False),
+    )
 
 
 def _shards(d: Path) -> list[Path]:
@@ -183,26 +200,42 @@ def _shards(d: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise WeightsError(f"{index}: missing or bad weight_map")
-        shards = [d / name for name in sorted(set(weight_map.values()))]
-        for s in shards:
-            if not s.is_file():
-                raise WeightsError(f"{index}: shard {s.name} is missing")
-        return shards
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).name != n or n in (".", "..")]
+        if outside:  # a shard is a file of this directory, never a path elsewhere (/dev/zero, ../x)
+            raise WeightsError(f"{index}: shard {outside[0]!r} is not a file name in {d}")
+        return [d / name for name in names]
     shards = sorted(d.glob("*.safetensors"))
     if not shards:
         raise WeightsError(f"{d}: no *.safetensors files")
     return shards
 
 
-def load_hf_dir(
-    path: str | Path, dtype=np.float32, name: str | None = None
-) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """(config, state dict with HF names) from a HF model directory of safetensors shards."""
+@dataclass
+class HFCheckpoint:
+    """A HF model directory with its config and every shard's header read and checked against each other;
+    no tensor data has been read (`state_dict` reads it), so a memory preflight can run first."""
+
+    path: Path
+    cfg: ModelConfig
+    tensors: dict[str, tuple[Path, SafetensorInfo, Any]]  # HF name → (shard, header entry, the shard's map)
+
+    def device_bytes(self, itemsize: int) -> int:
+        """Bytes the parameters take once loaded at `itemsize` bytes a value (from the headers alone)."""
+        return sum(math.prod(info.shape) for _, info, _ in self.tensors.values()) * itemsize
+
+    def state_dict(self, dtype=np.float32) -> dict[str, np.ndarray]:
+        """Every parameter under its HF name, read from the shards and cast to `dtype`."""
+        return {key: _load_tensor(info, buf, dtype) for key, (_, info, buf) in self.tensors.items()}
+
+
+def read_hf_dir(path: str | Path, name: str | None = None) -> HFCheckpoint:
+    """config.json and the safetensors headers of a HF model directory, checked; no tensor data read."""
     d = Path(path)
     if not d.is_dir():
         raise WeightsError(f"{d}: not a directory" if d.exists() else f"{d}: no such directory")
     cfg = hf_config(d / "config.json", name=name or d.name)
-    found: dict[str, tuple[Path, SafetensorInfo, object]] = {}
+    found: dict[str, tuple[Path, SafetensorInfo, Any]] = {}
     for shard in _shards(d):
         infos, buf = read_safetensors(shard)
         for key, info in infos.items():
@@ -212,4 +245,17 @@ def load_hf_dir(
                 raise WeightsError(f"{shard}: tensor {key} is also in {found[key][0].name}")
             found[key] = (shard, info, buf)
     check_state_dict({key: info.shape for key, (_, info, _) in found.items()}, cfg, d)
-    return cfg, {key: _load_tensor(shard, info, buf, dtype) for key, (shard, info, buf) in found.items()}
+    for shard, info, _ in found.values():
+        if _DTYPES[info.dtype][0] is None:  # before any data is read
+            raise WeightsError(
+                f"{shard}: tensor {info.name} has unsupported dtype {info.dtype} (quantized checkpoint?)"
+            )
+    return HFCheckpoint(d, cfg, found)
+
+
+def load_hf_dir(
+    path: str | Path, dtype=np.float32, name: str | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, state dict with HF names) from a HF model directory of safetensors shards."""
+    checkpoint = read_hf_dir(path, name)
+    return checkpoint.cfg, checkpoint.state_dict(dtype)
