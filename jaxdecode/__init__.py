@@ -12,6 +12,7 @@ Dimension key, used in every shape comment and einsum in the project:
 
 from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling, TensorParallel, get_preset
 from jaxdecode.decode import DecodeState, Engine, Generation
+from jaxdecode.llm import LLM, Completion
 from jaxdecode.model import Hook, Transformer, init_random, load_state_dict, quantize_weights
 from jaxdecode.quantized import QuantizedWeight, quantize
 from jaxdecode.sampling import SamplingParams
@@ -26,6 +27,8 @@ __all__ = [
     "DecodeState",
     "Engine",
     "Generation",
+    "LLM",
+    "Completion",
     "Hook",
     "Transformer",
     "init_random",

@@ -24,7 +24,16 @@ from flax import nnx
 from jaxdecode.cache import KVCache
 from jaxdecode.looped_model import LoopedForward, default_loop_mode
 from jaxdecode.model import Hook, Transformer
-from jaxdecode.sampling import SamplingParams, sample
+from jaxdecode.sampling import (
+    REQUEST_FIELDS,
+    SamplingParams,
+    SamplingPlan,
+    SamplingRows,
+    TokenCounts,
+    TokenLogprobs,
+    row_keys,
+    sample_rows,
+)
 from jaxdecode.tp import TPForward
 
 Array = jax.Array
@@ -38,7 +47,9 @@ class DecodeState:
     tokens: [B] int32, the last sampled token of each sequence (the next step's input).
     positions: [B] int32, the position that token is written at.
     done: [B] bool, whether the sequence has emitted an end token.
-    key: the PRNG key for sampling.
+    key: [B] PRNG keys, one per sequence (`sampling.row_keys`); one key for the batch is split per row.
+    rows: each sequence's sampling values (`SamplingRows`); None: the chunk's static `SamplingParams` for all.
+    counts: the token history penalties read (`TokenCounts`); None when no row is penalized.
     """
 
     cache: object
@@ -46,11 +57,23 @@ class DecodeState:
     positions: Array
     done: Array
     key: Array
+    rows: SamplingRows | None = None
+    counts: TokenCounts | None = None
+
+
+@dataclass
+class Chunk:
+    """What `Engine.generate_chunks` yields: new tokens [B, n] (-1 after a sequence ended) and, when a row asked
+    for them, their logprobs (`TokenLogprobs` of numpy arrays: [B, n], top ones [B, n, k])."""
+
+    tokens: np.ndarray
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
 class Generation:
-    """What `Engine.generate` returns: new tokens per sequence and timings."""
+    """What `Engine.generate` returns: new tokens per sequence and timings; with logprobs asked for, the raw
+    logprob of each new token per sequence (and the top ones: `TokenLogprobs` [B, new], -1 ids past the end)."""
 
     token_ids: list[list[int]]
     prefill_s: float
@@ -58,6 +81,8 @@ class Generation:
     decode_steps: int
     compile_s: float = 0.0
     chunks: list[np.ndarray] = field(default_factory=list, repr=False)
+    logprobs: list[list[float]] | None = None
+    top_logprobs: TokenLogprobs | None = field(default=None, repr=False)
 
     @property
     def decode_tok_s(self) -> float:
@@ -156,7 +181,7 @@ class Engine:
             timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - start
         return self._executables[key]
 
-    def _compile_steps(self, prefill_args, *, sampling: SamplingParams, chunk: int | None, timings: dict):
+    def _compile_steps(self, prefill_args, *, sampling: SamplingPlan, chunk: int | None, timings: dict):
         """(compiled prefill, compiled decode chunk of `chunk` steps or None), compiled at once.
 
         The two compile in two threads (`compile_at_once`), so the first call waits for the longer of
@@ -204,46 +229,65 @@ class Engine:
         cache = KVCache.init(self.cfg, batch, length, self.cache_dtype)
         return self.looped_forward.pack_cache(cache) if self.looped_forward is not None else cache
 
-    def _prefill_fn(self, params, cache, tokens, lengths, key, done_ids, sampling: SamplingParams):
+    def _prefill_fn(self, params, cache, tokens, lengths, keys, rows, done_ids, sampling: SamplingPlan):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
         logits, cache = self.forward(params, tokens, positions, cache)  # [B, T, V]
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-        key, sub = jax.random.split(key)
-        first = sample(last, sub, sampling)  # [B]
+        counts = TokenCounts.of_prompts(tokens, lengths, last.shape[-1]) if sampling.penalties else None
+        first, logprobs = sample_rows(last, keys, lengths - 1, rows, sampling, counts)  # [B]
+        if counts is not None:
+            counts = counts.add(first, jnp.ones((b,), bool))
         done = jnp.isin(first, done_ids)
-        return DecodeState(cache, first, lengths.astype(jnp.int32), done, key), last
+        return DecodeState(cache, first, lengths.astype(jnp.int32), done, keys, rows, counts), logprobs
 
-    def _chunk_fn(self, params, state: DecodeState, done_ids, pad_id, *, steps: int, sampling: SamplingParams):
+    def _chunk_fn(
+        self, params, state: DecodeState, done_ids, pad_id, *, steps: int, sampling: SamplingPlan | SamplingParams
+    ):
+        b = state.tokens.shape[0]
+        plan, rows, keys = sampling, state.rows, state.key
+        if isinstance(sampling, SamplingParams):  # one setting for the whole batch, no rows in the state
+            plan, rows = SamplingPlan.of([sampling]), SamplingRows.of([sampling] * b)
+        if plan.penalties and state.counts is None:
+            raise ValueError("penalties need the token counts that Engine.generate's prefill puts in the state")
+        if keys.ndim == 0:
+            keys = jax.random.split(keys, b)  # [B]
+
         def step(state: DecodeState, _):
             logits, cache = self.forward(params, state.tokens[:, None], state.positions[:, None], state.cache)
-            key, sub = jax.random.split(state.key)
-            nxt = sample(logits[:, 0], sub, sampling)  # [B]
+            nxt, logprobs = sample_rows(logits[:, 0], keys, state.positions, rows, plan, state.counts)  # [B]
+            counts = state.counts.add(nxt, ~state.done) if plan.penalties else state.counts
             nxt = jnp.where(state.done, pad_id, nxt)
             done = state.done | jnp.isin(nxt, done_ids)
-            return DecodeState(cache, nxt, state.positions + 1, done, key), nxt
+            new = DecodeState(cache, nxt, state.positions + 1, done, state.key, state.rows, counts)
+            return new, (nxt, logprobs)
 
-        state, tokens = jax.lax.scan(step, state, None, length=steps)
-        return state, tokens.T  # [B, steps]
+        state, (tokens, logprobs) = jax.lax.scan(step, state, None, length=steps)
+        if logprobs is None:
+            return state, tokens.T  # [B, steps]
+        return state, tokens.T, jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), logprobs)  # [B, steps, ...]
 
     # -- host loop --------------------------------------------------------------------------------
 
-    def generate_stream(
+    def generate_chunks(
         self,
         prompts: Sequence[Sequence[int]],
         *,
         max_new_tokens: int = 64,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
         seed: int = 0,
         eos_ids: Sequence[int] = (),
         chunk: int = 16,
         timings: dict | None = None,
-    ) -> Iterator[np.ndarray]:
-        """Yield new tokens [B, n] chunk by chunk; -1 marks positions after a sequence ended.
+    ) -> Iterator[Chunk]:
+        """Yield new tokens [B, n] chunk by chunk (`Chunk`, with logprobs where asked); -1 marks positions
+        after a sequence ended.
 
-        The first chunk holds the one token sampled from the prefill logits. If `timings` is a dict,
-        it receives compile_s (ahead-of-time compilation, 0 when cached), prefill_s, decode_s and
-        decode_steps; the last three exclude compilation.
+        `sampling` is one `SamplingParams` for every prompt or one per prompt (their per-token fields; the
+        request fields, `sampling.REQUEST_FIELDS`, are `jaxdecode.LLM`'s). Rows without a seed of their own
+        draw from `seed` and their index. The first chunk holds the one token sampled from the prefill
+        logits. If `timings` is a dict, it receives compile_s (ahead-of-time compilation, 0 when cached),
+        prefill_s, decode_s and decode_steps; the last three exclude compilation.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
@@ -256,6 +300,8 @@ class Engine:
                 f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context of "
                 f"{self.cfg.max_seq_len} tokens"
             )
+        params = self._row_params(sampling, len(prompts))
+        plan = SamplingPlan.of(params)
         steps = max_new_tokens - 1
         chunk = max(1, min(chunk, steps)) if steps else 1
         n_chunks = -(-steps // chunk)
@@ -270,50 +316,81 @@ class Engine:
 
         timings["compile_s"] = 0.0
         cache = self.new_cache(len(prompts), cache_len)
-        args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed), done_ids)
+        keys, rows = row_keys(params, seed), SamplingRows.of(params)
+        args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), keys, rows, done_ids)
         prefill, step_chunk = self._compile_steps(
-            args, sampling=sampling, chunk=chunk if n_chunks else None, timings=timings
+            args, sampling=plan, chunk=chunk if n_chunks else None, timings=timings
         )
         start = time.perf_counter()
-        state, _ = prefill(*args)
-        first = np.asarray(state.tokens)[:, None]
+        state, logprobs = prefill(*args)
+        first = Chunk(np.asarray(state.tokens)[:, None], _on_host(logprobs, lambda a: a[:, None]))
         timings["prefill_s"] = time.perf_counter() - start
         yield first
         done = np.asarray(state.done)
         pad = jnp.int32(-1)
         if n_chunks and step_chunk is None:  # tensor parallel: compiled from the sharded state
             step_chunk = self._compiled(
-                self.decode_chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk, sampling=sampling
+                self.decode_chunk, self.params, state, done_ids, pad, timings=timings, steps=chunk, sampling=plan
             )
         start = time.perf_counter()
         decoded = 0
         for _ in range(n_chunks):
             if done.all():
                 break
-            state, new = step_chunk(self.params, state, done_ids, pad)
-            new = np.asarray(new)[:, : steps - decoded]
+            state, new, *logprobs = step_chunk(self.params, state, done_ids, pad)
+            keep = steps - decoded
+            new = np.asarray(new)[:, :keep]
             decoded += new.shape[1]
             done = np.asarray(state.done)
             timings["decode_s"] = time.perf_counter() - start
             timings["decode_steps"] = decoded
-            yield new
+            yield Chunk(new, _on_host(logprobs[0] if logprobs else None, lambda a: a[:, :keep]))
         timings.setdefault("decode_s", 0.0)
         timings.setdefault("decode_steps", 0)
 
+    def generate_stream(self, prompts: Sequence[Sequence[int]], **kwargs) -> Iterator[np.ndarray]:
+        """Yield new tokens [B, n] chunk by chunk; -1 marks positions after a sequence ended. Takes the
+        arguments of `generate_chunks` (max_new_tokens, sampling, seed, eos_ids, chunk, timings)."""
+        for c in self.generate_chunks(prompts, **kwargs):
+            yield c.tokens
+
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> Generation:
-        """Run `generate_stream` to the end; tokens after an end token are dropped (the end token is kept)."""
+        """Run `generate_chunks` to the end; tokens after an end token are dropped (the end token is kept)."""
         timings: dict = {}
-        chunks = list(self.generate_stream(prompts, timings=timings, **kwargs))
-        all_tokens = np.concatenate(chunks, axis=1)  # [B, new]
+        chunks = list(self.generate_chunks(prompts, timings=timings, **kwargs))
+        all_tokens = np.concatenate([c.tokens for c in chunks], axis=1)  # [B, new]
         ids = [[int(t) for t in row if t >= 0] for row in all_tokens]
+        logprobs = top = None
+        if chunks[0].logprobs is not None:
+            top = jax.tree.map(lambda *a: np.concatenate(a, axis=1), *[c.logprobs for c in chunks])
+            logprobs = [[float(x) for x, t in zip(lp, row) if t >= 0] for lp, row in zip(top.chosen, all_tokens)]
         return Generation(
             ids,
             timings["prefill_s"],
             timings["decode_s"],
             timings["decode_steps"],
             compile_s=timings["compile_s"],
-            chunks=chunks,
+            chunks=[c.tokens for c in chunks],
+            logprobs=logprobs,
+            top_logprobs=top,
         )
+
+    @staticmethod
+    def _row_params(sampling: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, checked: per-token settings only (the request ones are LLM's)."""
+        rows = [sampling] * batch if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(rows) != batch:
+            raise ValueError(f"{len(rows)} SamplingParams for {batch} prompts: pass one, or one per prompt")
+        defaults = SamplingParams()
+        for i, p in enumerate(rows):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling[{i}] is a {type(p).__name__}, not a SamplingParams")
+            if fields := [f for f in REQUEST_FIELDS if getattr(p, f) != getattr(defaults, f)]:
+                raise ValueError(
+                    f"sampling[{i}] sets {', '.join(fields)}: request settings that jaxdecode.LLM applies; "
+                    "Engine.generate takes max_new_tokens= and eos_ids="
+                )
+        return rows
 
     def forward_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [B, T, V] of a full forward pass over tokens [B, T] (no cache reuse): for tests."""
@@ -329,6 +406,11 @@ def compile_at_once(*jobs):
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(job) for job in jobs]
         return [f.result() for f in futures]
+
+
+def _on_host(logprobs: TokenLogprobs | None, index) -> TokenLogprobs | None:
+    """Device logprobs as numpy arrays, each indexed by `index` (a step axis added, or the chunk trimmed)."""
+    return None if logprobs is None else jax.tree.map(lambda a: index(np.asarray(a)), logprobs)
 
 
 def _round_up(n: int, multiple: int) -> int:
