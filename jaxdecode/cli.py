@@ -1,6 +1,8 @@
 """The `jaxdecode` command line: generate, chat, bench, loop-report, rdu (the modeled SN40L) and tune.
 
-Bad input exits with code 2 and one line on stderr.
+Bad input exits with code 2 and one line on stderr: flags out of range, text that is not UTF-8, a model
+file that is no regular file or holds bad values, a chat template past its limits, a cache directory
+that cannot be written. With --chat, special-token text the user types stays text (`Tokenizer.encode_chat`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 from jaxdecode.config import DEFAULT_MODEL
 from jaxdecode.quantized import QUANTIZE_FORMATS
@@ -21,6 +24,39 @@ class CliError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not usage + message
         raise CliError(message)
+
+
+SEED_LIMIT = 2**32  # JAX's default PRNG keys take 32-bit seeds: a larger seed would alias a smaller one
+
+
+def _int_in(lo: int, hi: int | None = None, why: str = ""):
+    """An argparse type: an integer in [lo, hi] (hi None: no upper bound), else one line saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {want}{why}, got {value}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _int_in(1)
+
+
+def _utf8(text: str, what: str) -> str:
+    """`text` unless it holds undecodable bytes (Python keeps them in argv and stdin as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        byte = f"byte {ch - 0xDC00:#04x}" if 0xDC80 <= ch <= 0xDCFF else f"U+{ch:04X}"
+        raise CliError(f"{what} is not valid UTF-8 ({byte} at character {e.start})") from None
+    return text
 
 
 def _add_model(p: argparse.ArgumentParser):
@@ -41,7 +77,7 @@ def _add_model(p: argparse.ArgumentParser):
     p.add_argument("--dequantize", action="store_true", help="expand a quantized GGUF file to dense weights on load")
     p.add_argument(
         "--tp",
-        type=int,
+        type=_POSITIVE,
         default=1,
         help="tensor parallelism: split heads, FFN and vocab over this many devices (default 1); "
         "it must divide the head counts (SmolLM2-135M: 3, not 2)",
@@ -56,11 +92,16 @@ def _add_model(p: argparse.ArgumentParser):
 
 
 def _add_sampling(p: argparse.ArgumentParser):
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--max-new-tokens", type=_POSITIVE, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 turns it off")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 turns it off")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    p.add_argument(
+        "--seed",
+        type=_int_in(0, SEED_LIMIT - 1, " (JAX's PRNG takes 32-bit seeds)"),
+        default=0,
+        help=f"PRNG seed for sampling, 0 to {SEED_LIMIT - 1}",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,14 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
         "against peers (HF transformers, plain JAX) over a suite of configs",
     )
     _add_model(bench)
-    bench.add_argument("--batch", type=int, default=None, help="batch (default 1)")
+    bench.add_argument("--batch", type=_POSITIVE, default=None, help="batch (default 1)")
     bench.add_argument(
         "--prompt-len",
-        type=int,
+        type=_POSITIVE,
         default=None,
         help="prompt tokens (default 32; in suite mode 16, prefilled after the context)",
     )
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-new-tokens", type=_POSITIVE, default=128)
     bench.add_argument("--compare-unrolled", action="store_true", help="also time the unrolled layers")
     suite = bench.add_argument_group("suite mode (any of these flags): ours vs peers, one JSON line per row")
     suite.add_argument(
@@ -115,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated from unrolled,scan,hf_eager,hf_static, or none (default: all); "
         "NAME@BxC[+BxC] runs a peer at those (batch, context)s only, e.g. hf_static@1x1k",
     )
-    suite.add_argument("--steps", type=int, default=64, help="decode steps timed per row (default 64)")
-    suite.add_argument("--seed", type=int, default=0)
+    suite.add_argument("--steps", type=_POSITIVE, default=64, help="decode steps timed per row (default 64)")
+    suite.add_argument("--seed", type=_int_in(0, SEED_LIMIT - 1, " (JAX's PRNG takes 32-bit seeds)"), default=0)
     suite.add_argument(
         "--budget-s",
         type=float,
@@ -166,13 +207,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _use_compile_cache(path: str) -> None:
-    """Point JAX's persistent compilation cache at `path` (made if missing), caching every program."""
+    """Point JAX's persistent compilation cache at `path` (made if missing), caching every program. A
+    directory we cannot write is refused here: JAX would warn once per program it fails to store."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"--compile-cache {path!r} is a file, not a directory")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise CliError(f"--compile-cache {path!r}: cannot make the directory ({e.strerror})") from e
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise CliError(f"--compile-cache {path!r} is not writable ({e.strerror})") from e
     import jax
 
     jax.config.update("jax_compilation_cache_dir", path)
@@ -192,11 +239,11 @@ def _engine(args, *, need_tokenizer: bool):
     from jaxdecode.loading import load_model
 
     no_tokenizer = f"model {args.model!r} has random weights and no tokenizer; pass a .gguf file or a HF directory"
+    if need_tokenizer and args.model in PRESETS and args.model != DEFAULT_MODEL:
+        raise CliError(no_tokenizer)  # before any random weights are made
     if args.tp != 1:
         from jaxdecode.loading import load_engine
 
-        if need_tokenizer and args.model in PRESETS and args.model != DEFAULT_MODEL:
-            raise CliError(no_tokenizer)  # before making random weights over tp devices
         engine, tok = load_engine(args.model, args.tp, loop_layers=not args.no_loop)
     else:
         loaded = load_model(args.model, dtype=default_dtype(), quantize=args.quantize, dequantize=args.dequantize)
@@ -208,11 +255,11 @@ def _engine(args, *, need_tokenizer: bool):
 
 def cmd_generate(args) -> int:
     sampling = _sampling(args)
-    if not args.prompt.strip():
+    if not _utf8(args.prompt, "the prompt").strip():
         raise CliError("empty prompt")
     engine, tok = _engine(args, need_tokenizer=True)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    ids = tok.encode(text)
+    # a raw prompt is the whole prompt, control tokens included; in a chat the user's text is only text
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     timings: dict = {}
     stream = tok.stream()
     new_ids: list[int] = []
@@ -251,18 +298,23 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     sampling = _sampling(args)
+    system = _utf8(args.system, "--system") if args.system else None
     engine, tok = _engine(args, need_tokenizer=True)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages = [{"role": "system", "content": system}] if system else []
     print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
     while True:
         try:
-            user = input("> ")
+            user = _utf8(input("> "), "the input")
         except EOFError:
             return 0
+        except UnicodeDecodeError as e:
+            raise CliError(
+                f"the input is not valid UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})"
+            ) from None
         if not user.strip():
             return 0
         messages.append({"role": "user", "content": user})
-        ids = tok.encode(tok.apply_chat_template(messages))
+        ids = tok.encode_chat(messages)
         stream, new_ids = tok.stream(), []
         for chunk in engine.generate_stream(
             [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_ids=tok.eos_token_ids
