@@ -147,38 +147,37 @@ class Segment:
 
 def timeline(m: Mapping, est: Estimate) -> list[Segment]:
     """The kernel calls of one decode token as back-to-back segments, following simulate_rdu's cost
-    structure: per call launch, then the body, then the boundary (drain, fill, sync: HBM idle).
-
-    A body iteration streams the socket's bytes at bytes / (time it streams): looped decoder
-    iterations stream for the whole iteration (the all-reduce overlaps the next layer's weights);
-    otherwise the stream takes max(memory, compute) and the all-reduce that follows is idle HBM.
+    structure: per call launch, the body (streaming), then the pipeline latency it exposes (drain and
+    fill, the all-reduce hops: HBM idle). The looped decoder pays launch and one fill, its first
+    iteration, then L - 1 steady periods that stream the socket's bytes over max(latency, body + stall).
     """
     roles = {k.name: k for k in m.kernels}
     peak = m.hw.hbm_bw
     segs: list[Segment] = []
     t = 0.0
+
+    def add(dt: float, kt, k, c: int, phase: str, nbytes: float = 0.0) -> None:
+        nonlocal t
+        rate = nbytes / dt / peak if dt > 0 else 0.0
+        segs.append(Segment(t, t + dt, kt.name, k.role, c, phase, rate))
+        t += dt
+
     for kt in est.kernels:
         k = roles[kt.name]
         nbytes = socket_bytes(k, m) * m.placement.hbm_fraction
-        overlapped = k.is_layer and kt.iterations > 1  # the looped decoder kernel
-        stream_s = kt.iteration_s if overlapped else max(kt.memory_s, kt.compute_s)
-        comm_s = 0.0 if overlapped else kt.iteration_s - stream_s
-        rate = nbytes / stream_s / peak if stream_s > 0 else 0.0
+        body = max(kt.memory_s, kt.compute_s)
+        if k.is_layer and kt.calls == 1:  # the looped decoder kernel
+            add(kt.launch_s, kt, k, 0, "launch")
+            add(kt.boundary_s, kt, k, 0, "boundary")
+            add(body, kt, k, 0, "body", nbytes)
+            if kt.iterations > 1:
+                add((kt.iterations - 1) * kt.iteration_s, kt, k, 0, "body", (kt.iterations - 1) * nbytes)
+            continue
         for c in range(kt.calls):
-            segs.append(Segment(t, t + kt.launch_s, kt.name, k.role, c, "launch", 0.0))
-            t += kt.launch_s
-            if overlapped:
-                segs.append(Segment(t, t + kt.iterations * stream_s, kt.name, k.role, c, "body", rate))
-                t += kt.iterations * stream_s
-            else:
-                for _ in range(kt.iterations):
-                    segs.append(Segment(t, t + stream_s, kt.name, k.role, c, "body", rate))
-                    t += stream_s
-                    if comm_s > 0:
-                        segs.append(Segment(t, t + comm_s, kt.name, k.role, c, "comm", 0.0))
-                        t += comm_s
-            segs.append(Segment(t, t + kt.boundary_s, kt.name, k.role, c, "boundary", 0.0))
-            t += kt.boundary_s
+            add(kt.launch_s, kt, k, c, "launch")
+            for _ in range(kt.iterations):
+                add(body, kt, k, c, "body", nbytes)
+            add(kt.boundary_s, kt, k, c, "boundary")
     return segs
 
 

@@ -2,7 +2,7 @@
 
     jaxdecode rdu --model llama-3.1-8b --batch 1 --context 4096 --sockets 1,2,4,8,16 --hbm-tb-s 1.8 --gpu h200
     jaxdecode rdu --model llama-3.1-8b --batch 8 --context 1024 --gpus 2 --constants fitted
-    jaxdecode rdu --validate          # published / measured numbers vs the model (published and fitted constants)
+    jaxdecode rdu --validate --json   # issue #27's targets (value, band, pass), sensitivity, GPU rows
     jaxdecode rdu --model llama-3.1-70b --html report.html --png report.png
 
 The lead wires `add_parser` and `run` into jaxdecode/cli.py. With --json the last line is one JSON object.
@@ -67,14 +67,40 @@ def run(args) -> int:
     from rdu.analysis import analyze
 
     if args.validate:
+        from rdu.hardware import load_fitted
+        from rdu.targets import evaluate, sensitivity
+        from rdu.targets import table as target_table
         from rdu.validate import comparison_table
 
+        constants = "fitted" if args.constants == "published" else args.constants  # the targets: one fitted set
+        targets = evaluate(constants)
+        sweep = sensitivity(constants)
         text, data = comparison_table()
+        print(f"targets of issue #27, {constants} constants (one set for every row):")
+        print(target_table(targets))
+        print("SN40L-16 Llama-3.1-8B bs1 4K, tok/s as one constant moves (the others held):")
+        for r in sweep:
+            print(f"  {r['constant']:16s} {r['value']:10.4g}  {r['tok_s']:8.1f} tok/s  {r['vs_dgx']:5.2f}x DGX")
         print(text)
         if args.json:
-            pub = [r for r in data["rows"] if r["group"] != "h200"]
-            data["mape"] = sum(abs(r["delta_pct"]) for r in pub) / len(pub)  # published constants, as before
-            print(json.dumps(data))
+            rec = load_fitted()
+            required = [r for r in targets if not r["soft"]]
+            print(
+                json.dumps(
+                    {
+                        "constants": constants,
+                        "targets": targets,
+                        "all_required_pass": all(r["pass"] for r in required),
+                        "failing": [r["key"] for r in required if not r["pass"]],
+                        "sn40l_fit": {
+                            k: rec["sn40l"][k] for k in ("fitted", "fit_rows", "held_out_rows", "leave_one_out")
+                        },
+                        "sensitivity": sweep,
+                        "gpu": data,
+                        "gpu_fit_summary": rec["summary"],
+                    }
+                )
+            )
         return 0
     try:
         cfg = get_preset(args.model)

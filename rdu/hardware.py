@@ -71,11 +71,10 @@ class RDUSpec(_Sourced):
     hbm_bw: float  # bytes/s per socket, peak
     ddr_bw: float  # bytes/s per socket
     hbm_efficiency: float  # achieved / peak HBM bandwidth when streaming weights in a fused kernel
-    launch_s: float  # one kernel call, hardware-orchestrated: program load + argument load + execute
-    sync_s: float  # end-of-call synchronization: completion detected, the next call released
-    stage_fill_drain_s: float  # pipeline drain + fill at a call boundary, per stage of the kernel's pipeline
+    call_s: float  # one kernel call: hardware-orchestrated launch + end-of-call sync (only their sum is seen)
+    stage_latency_s: float  # one pipeline stage: a tile, or the carried activation, passing one stage
     p2p_bw: float  # bytes/s per socket, socket-to-socket streaming (all-reduce)
-    p2p_latency_s: float  # one step of the P2P protocol (send, remote PMU write, reduce)
+    p2p_hop_s: float  # one P2P write of a tile into a peer socket's PMU (AGCU protocol, SN40L §VII)
     max_sockets: int
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -83,10 +82,18 @@ class RDUSpec(_Sourced):
     def pcu_flops(self) -> float:
         return self.bf16_flops / self.pcus
 
-    def boundary_s(self, depth: int) -> float:
-        """HBM-idle time at the end of one call of a kernel whose pipeline has `depth` stages: sync,
-        then the drain of this call and the fill of the next, one stage latency per stage."""
-        return self.sync_s + depth * self.stage_fill_drain_s
+    def pipeline_latency_s(self, depth: int) -> float:
+        """Time for data to pass a pipeline of `depth` stages: the drain + fill a call boundary exposes,
+        and the path the carried activation takes through a looped layer (one physical latency)."""
+        return depth * self.stage_latency_s
+
+    def allreduce_s(self, nbytes: float, p: int) -> float:
+        """Exposed time of one all-reduce of `nbytes` over p sockets, streamed from the producing GEMM
+        (SN40L §VII, DIAYN Fig. 5): each socket writes its partial sums of chunk j into socket j's PMUs
+        as the GEMM produces them, the owner reduces and writes the sum back to every peer. Two hops
+        whatever p, plus the message through each socket's link (2 (p-1)/p of it, an upper bound:
+        all but the last tile overlap the GEMM)."""
+        return 0.0 if p <= 1 else 2 * self.p2p_hop_s + 2 * (p - 1) / p * nbytes / self.p2p_bw
 
     @property
     def stream_bw(self) -> float:
@@ -132,7 +139,7 @@ def sn40l(hbm_tb_s: float = 1.8, constants: str = "published") -> RDUSpec:
 
     Default 1.8 TB/s: the chip paper's own Table II, the primary spec sheet. 1.6 TB/s is the figure the
     successor paper uses as "peak" for its roofline percentages, so `validate` quotes % of peak on it.
-    `constants="fitted"` replaces the free constants (`SN40L_FREE`) with those of rdu/fitted.json
+    `constants="fitted"` replaces the fitted constants (`SN40L_FITTED`) with those of rdu/fitted.json
     (fitted at 1.8 TB/s).
     """
     _check_constants(constants)
@@ -142,13 +149,13 @@ def sn40l(hbm_tb_s: float = 1.8, constants: str = "published") -> RDUSpec:
     if constants == "published":
         return spec
     c = load_fitted()["sn40l"]["fitted"]
-    note = "fitted (rdu/fitted.json, python -m rdu.fit) to the Kernel Looping rows; published: "
+    note = "fitted (rdu/fitted.json, python -m rdu.fit) to the in-sample SN40L rows; prior: "
     src = dict(spec.sources)
     return replace(
         spec,
         name=spec.name + " fitted",
-        **{k: c[k] for k in SN40L_FREE},
-        sources=tuple((k, note + v if k in SN40L_FREE else v) for k, v in src.items()),
+        **{k: c[k] for k in SN40L_FITTED},
+        sources=tuple((k, note + v if k in SN40L_FITTED else v) for k, v in src.items()),
     )
 
 
@@ -165,11 +172,10 @@ def _sn40l(hbm_tb_s: float) -> RDUSpec:
         hbm_bw=hbm_tb_s * 1e12,
         ddr_bw=200e9,
         hbm_efficiency=0.85,
-        launch_s=1e-6,
-        sync_s=2e-6,
-        stage_fill_drain_s=0.5e-6,
+        call_s=3e-6,
+        stage_latency_s=0.5e-6,
         p2p_bw=100e9,
-        p2p_latency_s=1.5e-6,
+        p2p_hop_s=1.5e-6,
         max_sockets=16,
         sources=(
             ("pcus", "SN40L paper Table II: 1040 PCUs"),
@@ -183,29 +189,24 @@ def _sn40l(hbm_tb_s: float) -> RDUSpec:
             ("ddr_bw", "SN40L paper Table II / text: over 200 GB/s"),
             ("hbm_efficiency", "SN40L paper §VI-B: a fused decoder layer saturates close to 85% of HBM BW"),
             (
-                "launch_s",
-                "assumed 1 us: hardware-orchestrated launch (SN40L §IV-D), 'virtually zero kernel "
-                "launch overheads' (§VI-B); no µs figure is published",
+                "call_s",
+                "prior 3 us, spread x/÷ 3: hardware-orchestrated launch (SN40L §IV-D; 'virtually zero "
+                "kernel launch overheads', §VI-B) plus the end-of-call sync; no µs figure is published, "
+                "and launch and sync reach the time only as a sum, so they are one constant",
             ),
             (
-                "sync_s",
-                "assumed 2 us: the AGCU detects the end of a call on the control network and releases the "
-                "next (SN40L §IV-D); no µs figure is published",
-            ),
-            (
-                "stage_fill_drain_s",
-                "assumed 0.5 us per pipeline stage: at a call boundary the pipeline drains "
-                "and the next call's fills, stage by stage, while HBM idles (KL paper; DIAYN "
-                "Fig. 11: HBM drops to ~0 at each layer boundary). Scales with the kernel's "
-                "depth from the traced graph: a decoder layer (53-56 stages) ~27 us, the LM "
-                "head (8) 4 us; no µs figure is published",
+                "stage_latency_s",
+                "prior 0.5 us per stage, spread x/÷ 3: no µs figure is published. One latency serves the "
+                "call boundary (drain + fill, HBM idle: DIAYN Fig. 11) and the carried activation's "
+                "path through a looped layer; the depth (53-56 stages a decoder layer, 8 the LM head) is "
+                "read from the traced graph",
             ),
             ("p2p_bw", "assumed 100 GB/s per socket: SN40L P2P link bandwidth is NOT FOUND in any source"),
             (
-                "p2p_latency_s",
-                "assumed 1.5 us per step of recursive halving/doubling (one link traversal, the "
-                "AGCU P2P protocol, a remote PMU write and the reduce; SN40L §VII); NOT FOUND. "
-                "On the carried activation's path, so looping cannot hide it",
+                "p2p_hop_s",
+                "prior 1.5 us, spread x/÷ 3: one P2P write of a tile into a peer's PMU, the AGCU "
+                "protocol (SN40L §VII; DIAYN Fig. 5: the all-reduce streams from the down-projection GEMM "
+                "into remote PMUs); NOT FOUND. Two hops per all-reduce, on the carried activation's path",
             ),
             ("max_sockets", "SambaRack SN40L-16 (KL paper: 8 and 16 sockets)"),
         ),
@@ -301,10 +302,20 @@ H100 = replace(
     hbm_bw=3.35e12,
     read_bw=3.0e12,
     copy_bw=3.0e12,
+    allreduce_latency_s=6e-6,
     sources=tuple(
-        (k, v) for k, v in H200.sources if k not in ("hbm_bytes", "hbm_bw", "read_bw", "copy_bw", "achieved_flops")
+        (k, v)
+        for k, v in H200.sources
+        if k not in ("hbm_bytes", "hbm_bw", "read_bw", "copy_bw", "achieved_flops", "allreduce_latency_s")
     )
     + (
+        (
+            "allreduce_latency_s",
+            "8 GPUs, sourced: sgl-project/sglang PR #2904 (H100, TensorRT-LLM's custom all-reduce kernel, "
+            "no CUDA graph) 5.7 us at 4 KB and 7.8 us at 32 KB on TP8; a [1, 4096] bf16 message is 8 KB: "
+            "6 us taken. TensorRT-LLM runs this kernel for small tensor-parallel all-reduces; our 2-GPU "
+            "NCCL psum (20 us) is not an 8-GPU figure",
+        ),
         ("hbm_bytes", "NVIDIA H100 SXM datasheet: 80 GB HBM3"),
         ("hbm_bw", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),
         ("read_bw", "KL/DIAYN papers count DGX H100 as 24 TB/s = 3.0 TB/s per GPU (papers.md §4)"),
@@ -317,7 +328,10 @@ H100 = replace(
 GPUS = {"h100": H100, "h200": H200}
 
 
-SN40L_FREE = ("launch_s", "sync_s", "stage_fill_drain_s", "hbm_efficiency", "p2p_latency_s")
+# The SN40L constants of the time model; SN40L_FITTED are fitted (rdu.fit.sn40l, priors as their sources
+# say), the others keep their sourced or assumed value.
+SN40L_FREE = ("call_s", "stage_latency_s", "p2p_hop_s", "hbm_efficiency")
+SN40L_FITTED = ("stage_latency_s", "p2p_hop_s")
 GPU_FREE = ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency", "attention_efficiency")
 INPLACE_FREE = ("inplace_kernel_gap_s", "flat_gemm_efficiency", "flat_gemm_m_exponent", "split_k_efficiency")
 

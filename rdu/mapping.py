@@ -12,6 +12,13 @@ The steps follow what is public about SambaFlow (sim-anchors.md §3):
 3. **Allocation.** PCUs and PMUs per stage by binary search on a common stage time T (US 11,410,027):
    each stage gets ceil(work / (rate * T)) units, and T is the smallest time for which the sum fits.
    PCU work is FLOPs at one PCU's share of 638 TFLOP/s; PMU work is bytes streamed by the stage.
+   **Capacity** comes first: every stage holds its output on chip, double-buffered (per socket:
+   sharded tensors split over the sockets, the [B, D] residual whole), in whole PMUs of 512 KiB; the
+   remaining PMUs are shared by bandwidth. Stages whose buffers leave fewer PMUs than stages are tiled
+   along their output's largest axis (attention scores over the sequence, flash-style) until they fit;
+   a stage that cannot be tiled further refuses the mapping (`ModelDoesNotFit`, with the numbers). The
+   SRAM the buffers leave free is where the looped kernel prefetches the next layer's weights
+   (`Placement.prefetch_bytes`; rdu.simulate charges the part of the layer's latency it cannot cover).
 4. **Memory tiers.** Weights and the KV cache are sharded over the sockets (tensor parallelism; KV
    heads are replicated when there are more sockets than heads) and placed in HBM. Decode streams
    every weight every token, so by default the model must fit HBM: otherwise `ModelDoesNotFit` says
@@ -27,7 +34,7 @@ from dataclasses import dataclass, field
 
 from jaxdecode.model import Hook
 from rdu.graph import SLICING_OPS, DataflowGraph, Node
-from rdu.hardware import GIB, RDUSpec
+from rdu.hardware import GIB, KIB, MIB, RDUSpec
 
 STAGE_KINDS = frozenset({"matmul", "elementwise", "reduction", "memory"})
 ALLREDUCES_PER_LAYER = 2  # Megatron tensor parallelism: after o_proj and after down_proj
@@ -71,8 +78,15 @@ class Stage:
     kind: str
     flops: int
     bytes: int
+    buffer_bytes: float = 0.0  # per socket: its output on chip, double-buffered, before tiling
+    max_tiles: int = 1  # the largest axis of its output: how far it can be tiled
     pcus: int = 0
     pmus: int = 0
+    tiles: int = 1  # the output is produced and buffered in this many pieces
+
+    @property
+    def held_bytes(self) -> float:
+        return self.buffer_bytes / self.tiles
 
 
 @dataclass
@@ -81,6 +95,11 @@ class Allocation:
     pcus: int
     pmus: int
     stages: list[Stage]
+
+    @property
+    def buffer_bytes(self) -> float:
+        """SRAM per socket the stages' double-buffered outputs hold."""
+        return sum(s.held_bytes for s in self.stages)
 
     @property
     def critical_stage(self) -> Stage:
@@ -93,9 +112,12 @@ class Placement:
 
     hbm_bytes: int
     ddr_bytes: int
-    sram_peak_bytes: int  # largest on-chip intermediate of the decoder kernel
+    sram_buffer_bytes: int  # the decoder kernel's stage buffers (double-buffered outputs, after tiling)
+    prefetch_bytes: int  # SRAM left for the next layer's weights while the carried activation passes
+    layer_stream_bytes: int  # bytes one decoder iteration streams per socket (what a full prefetch needs)
     hbm_capacity: int
     ddr_capacity: int
+    sram_capacity: int
 
     @property
     def hbm_fraction(self) -> float:
@@ -263,25 +285,55 @@ def allocate(works: list[float], units: int, rate: float) -> tuple[float, list[i
     return hi, need(hi)
 
 
-def stages_of(kernel: Kernel) -> list[Stage]:
-    return [
-        Stage(f"{n.op}@{n.scope}", n.kind, n.flops, n.bytes_read + n.bytes_written)
-        for n in kernel.nodes
-        if n.kind in STAGE_KINDS
-    ]
+def stages_of(kernel: Kernel, sockets: int = 1, act_bytes: int = 0) -> list[Stage]:
+    """The kernel's computing ops as stages, each with its on-chip output buffer per socket."""
+    out = []
+    for n in kernel.nodes:
+        if n.kind not in STAGE_KINDS:
+            continue
+        # An in-place update (the KV cache write) holds only the rows it writes, not the cache it aliases.
+        sizes = [n.bytes_written] if n.kind == "memory" else [o.nbytes for o in n.outputs]
+        held = sum(x / (sockets if x > act_bytes else 1) for x in sizes)
+        big = max(n.outputs, key=lambda o: o.nbytes, default=None)
+        tiles = max(big.shape, default=1) if big is not None and n.kind != "memory" else 1
+        out.append(Stage(f"{n.op}@{n.scope}", n.kind, n.flops, n.bytes_read + n.bytes_written, 2 * held, tiles))
+    return out
 
 
-def _allocate_kernel(kernel: Kernel, hw: RDUSpec, sockets: int) -> Allocation | None:
-    stages = stages_of(kernel)
+def fit_buffers(stages: list[Stage], hw: RDUSpec, name: str) -> list[int]:
+    """PMUs each stage's buffer needs; tiles the largest buffers until every stage keeps at least one PMU
+    for streaming, or refuses the mapping with the numbers."""
+
+    def need(s: Stage) -> int:
+        return math.ceil(s.held_bytes / hw.pmu_bytes)
+
+    room = hw.pmus - len(stages)
+    while sum(map(need, stages)) > room:
+        s = max(stages, key=need)
+        if s.tiles >= s.max_tiles:
+            raise ModelDoesNotFit(
+                f"{name}: stage buffers need {sum(map(need, stages))} PMUs of {hw.pmu_bytes // KIB} KiB "
+                f"({sum(x.held_bytes for x in stages) / MIB:.0f} MiB, double-buffered) and {len(stages)} "
+                f"stages need one streaming PMU each, of {hw.pmus}; {s.name} holds {s.held_bytes / MIB:.1f} "
+                f"MiB and is already tiled {s.tiles} ways along its largest axis"
+            )
+        s.tiles = min(s.max_tiles, 2 * s.tiles)
+    return [need(s) for s in stages]
+
+
+def _allocate_kernel(kernel: Kernel, hw: RDUSpec, sockets: int, act_bytes: int) -> Allocation | None:
+    stages = stages_of(kernel, sockets, act_bytes)
     if not stages:
         return None
     flops = [s.flops / sockets for s in stages]
     t, pcus = allocate(flops, hw.pcus, hw.pcu_flops)
-    # PMUs: proportional to bytes streamed through each stage (bandwidth share), same search.
-    _, pmus = allocate([max(s.bytes, 1) / sockets for s in stages], hw.pmus, hw.stream_bw / hw.pmus)
-    for s, c, m in zip(stages, pcus, pmus):
-        s.pcus, s.pmus = c, m
-    return Allocation(t, sum(pcus), sum(pmus), stages)
+    held = fit_buffers(stages, hw, kernel.name)
+    # The PMUs left after the buffers, shared by the bytes each stage streams (bandwidth share, same search).
+    left = hw.pmus - sum(held)
+    _, share = allocate([max(s.bytes, 1) / sockets for s in stages], left, hw.stream_bw / left)
+    for s, c, h, b in zip(stages, pcus, held, share):
+        s.pcus, s.pmus = c, h + b
+    return Allocation(t, sum(pcus), sum(s.pmus for s in stages), stages)
 
 
 def map_decode(
@@ -304,13 +356,6 @@ def map_decode(
     # Capacity: the whole cache is resident (its read traffic is its size, S rows per layer).
     cache = sum(k.calls * k.iterations * k.cache_read_bytes for k in kernels)
     per_socket = weights / sockets + cache / kv_shards
-    sram_peak = (
-        max(
-            (o.nbytes for k in kernels if k.is_layer for n in k.nodes for o in n.outputs if n.kind in STAGE_KINDS),
-            default=0,
-        )
-        // kv_shards
-    )
     hbm = min(per_socket, hw.hbm_bytes)
     ddr = per_socket - hbm
     if (ddr > 0 and not allow_ddr) or ddr > hw.ddr_bytes:
@@ -325,6 +370,19 @@ def map_decode(
             f"({hw.hbm_bytes / GIB:.0f} GiB HBM per socket); decode streams every weight every token, so "
             f"weights must be HBM-resident" + (f"; needs {fit} sockets" if fit else "; does not fit even on 16 sockets")
         )
-    allocations = {k.name: a for k in kernels if (a := _allocate_kernel(k, hw, sockets)) is not None}
-    placement = Placement(int(hbm), int(ddr), int(sram_peak), hw.hbm_bytes, hw.ddr_bytes)
-    return Mapping(graph, hw, sockets, batch, kernels, allocations, placement, kv_shards, batch * dim * itemsize)
+    act = batch * dim * itemsize
+    allocations = {k.name: a for k in kernels if (a := _allocate_kernel(k, hw, sockets, act)) is not None}
+    layer = next((k for k in kernels if k.is_layer), None)
+    buffers = allocations[layer.name].buffer_bytes if layer is not None and layer.name in allocations else 0
+    stream = layer.weight_bytes / sockets + layer.cache_read_bytes / kv_shards if layer is not None else 0
+    placement = Placement(
+        int(hbm),
+        int(ddr),
+        int(buffers),
+        int(hw.sram_bytes - buffers),
+        int(stream),
+        hw.hbm_bytes,
+        hw.ddr_bytes,
+        hw.sram_bytes,
+    )
+    return Mapping(graph, hw, sockets, batch, kernels, allocations, placement, kv_shards, act)

@@ -1,31 +1,29 @@
 """Per-token decode time on modeled SN40L sockets, and the `Estimate` every target reports.
 
-Every kernel call costs   launch + boundary + body, where the boundary (HBM idle) is the sync at the
-end of the call plus the pipeline's drain and the next call's fill, one stage latency per stage of the
-kernel's pipeline (its depth, from the traced graph: a decoder layer ~55 stages, the LM head 8),
-and a body iteration costs max(memory, compute [+ communication]) where
-- memory  = bytes per socket / streaming bandwidth (HBM at the fused-kernel efficiency; an HBM/DDR
-  split streams as max(hbm part / hbm bw, ddr part / ddr bw), GenZ's offload rule),
-- compute = the common stage time T of the PCU allocation (mapping.allocate),
-- communication = tensor-parallel all-reduces per layer (alpha-beta, recursive halving/doubling:
-  2 * alpha * ceil(log2 p) + 2 * (p-1)/p * bytes / link bw).
+One pipeline-latency model serves call boundaries and the loop alike. A kernel call has
+- a body: max(memory, compute), where memory = bytes per socket / streaming bandwidth (HBM at the
+  fused-kernel efficiency; an HBM/DDR split streams as max(hbm part / hbm bw, ddr part / ddr bw),
+  GenZ's offload rule) and compute = the common stage time T of the PCU allocation (mapping.allocate);
+- a latency: the path data takes through the kernel's pipeline, depth x `stage_latency_s` (the depth
+  from the traced graph: a decoder layer ~55 stages, the LM head 8), plus the exposed part of its
+  all-reduces (`RDUSpec.allreduce_s`: streamed from the producing GEMM into peer PMUs, two hops each);
+- a fixed `call_s` (hardware-orchestrated launch + end-of-call sync).
 
-Kernel looping turns the L decoder calls into one call with L iterations: the launch and boundary
-are paid once, and the next layer's weights stream while the current layer computes and reduces,
-so an iteration costs max(memory, compute + communication). The all-reduces lie on the carried
-activation's path, so looping cannot hide them: on 8-16 sockets they bound the iteration of every
-model whose per-socket layer streams faster than two all-reduces (up to 8B at 16 sockets), which is
-why looping gains less there than on one socket, where the call boundary is the only cost it
-removes. Without looping each of the L calls pays launch + boundary + max(memory, compute +
-all-reduces inside the call) + the last all-reduce (the one after down_proj ends the call; the one
-after o_proj overlaps the MLP's weight stream).
+Unlooped, every call costs call_s + latency + body: a call's stages pull their weights as their input
+arrives, so the stream waits while the previous call drains and this one fills (HBM idle: DIAYN Fig. 11).
+Kernel looping makes the L decoder calls one call of L iterations: call_s and the first fill are paid
+once, and each further iteration costs max(latency, body + stall): the next layer's weights stream into
+free SRAM while the carried activation passes the pipeline (the pipelined outer loop), and only what the
+free SRAM cannot hold (`Placement.prefetch_bytes`) waits, the stall max(0, latency - prefetch / bandwidth).
+So a layer whose stream outlasts its latency runs at the streaming rate (70B on 8-16 sockets), and one
+whose latency outlasts its stream is latency-bound (8B on 16 sockets: ~28 us of stages and all-reduce hops
+against ~19 us of weights), which is why looping gains most where the two are about equal.
 
 The GPU modes, on the same traced graph and the same `Estimate`, are in rdu/gpu.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from rdu.mapping import ALLREDUCES_PER_LAYER, Kernel, Mapping
@@ -36,12 +34,12 @@ class KernelTime:
     name: str
     calls: int
     iterations: int
-    launch_s: float
-    boundary_s: float
+    launch_s: float  # call_s, per call
+    boundary_s: float  # the pipeline latency (stages + all-reduce hops) each call exposes once
     memory_s: float  # per iteration
     compute_s: float  # per iteration
     comm_s: float  # per iteration
-    iteration_s: float
+    iteration_s: float  # the body; for the looped decoder, the steady period max(latency, body + stall)
     total_s: float  # all calls of this kernel in one token step
 
 
@@ -86,16 +84,20 @@ class Estimate:
         }
 
 
-def allreduce_s(nbytes: float, p: int, latency_s: float, bw: float) -> float:
-    """Alpha-beta all-reduce over p devices (recursive halving/doubling)."""
-    if p <= 1:
-        return 0.0
-    return 2 * latency_s * math.ceil(math.log2(p)) + 2 * (p - 1) / p * nbytes / bw
-
-
 def socket_bytes(k: Kernel, m: Mapping) -> float:
     """Bytes one socket moves per iteration: weights sharded, KV sharded over kv heads, activations whole."""
     return k.weight_bytes / m.sockets + (k.cache_read_bytes + k.cache_write_bytes) / m.kv_shards + k.other_bytes
+
+
+def comm_s(k: Kernel, m: Mapping) -> float:
+    """Exposed communication of one iteration: a layer's two all-reduces of [B, D]; the classifier's
+    vocab-sharded logits gathered once (one hop and half the bytes of an all-reduce)."""
+    hw, p = m.hw, m.sockets
+    if k.is_layer:
+        return ALLREDUCES_PER_LAYER * hw.allreduce_s(m.activation_bytes, p)
+    if k.role == "classifier":
+        return hw.allreduce_s(k.other_bytes, p) / 2
+    return 0.0
 
 
 def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> Estimate:
@@ -103,36 +105,29 @@ def simulate_rdu(m: Mapping, *, looped: bool = True, overheads: bool = True) -> 
 
     `looped` is independent of how the graph was traced: an unrolled trace is looped by collapsing its
     L decoder calls into one call of L iterations, a looped trace is unlooped the other way.
-    `overheads=False` drops launch and boundary costs (the roofline-style lower bound).
+    `overheads=False` drops call costs and every latency (the roofline-style lower bound).
     """
     hw, p = m.hw, m.sockets
     times = []
     for k in m.kernels:
-        launch, boundary = (hw.launch_s, hw.boundary_s(pipeline_depth(k, m))) if overheads else (0.0, 0.0)
         n = k.calls * k.iterations
-        calls, iters = (1, n) if (k.is_layer and looped) else (n, 1) if k.is_layer else (k.calls, k.iterations)
         b = socket_bytes(k, m)
         f = m.placement.hbm_fraction
         mem = max(f * b / hw.stream_bw, (1 - f) * b / hw.ddr_bw)
         alloc = m.allocations.get(k.name)
         compute = alloc.stage_time_s if alloc else k.flops / p / hw.bf16_flops
-        if k.is_layer:
-            comm = ALLREDUCES_PER_LAYER * allreduce_s(m.activation_bytes, p, hw.p2p_latency_s, hw.p2p_bw)
-        elif k.role == "classifier":  # vocab-sharded logits: one all-gather = half an all-reduce
-            comm = allreduce_s(k.other_bytes, p, hw.p2p_latency_s, hw.p2p_bw) / 2
-        else:
-            comm = 0.0
+        comm = comm_s(k, m)
+        body = max(mem, compute)
+        call, latency = (hw.call_s, hw.pipeline_latency_s(pipeline_depth(k, m)) + comm) if overheads else (0.0, 0.0)
         if k.is_layer and looped:
-            it = max(mem, compute + comm)  # next layer's weights prefetch during compute + all-reduce
-        elif k.is_layer:
-            # One call per layer: the all-reduces inside the call (after o_proj) overlap the rest of the
-            # layer's weight stream; the last one (after down_proj) ends the call, with no stream left.
-            tail = comm / ALLREDUCES_PER_LAYER
-            it = max(mem, compute + comm - tail) + tail
+            stall = max(0.0, latency - m.placement.prefetch_bytes / hw.stream_bw)
+            period = max(latency, body + stall)
+            total = call + latency + body + (n - 1) * period
+            times.append(KernelTime(k.name, 1, n, call, latency, mem, compute, comm, period, total))
         else:
-            it = max(mem, compute) + comm
-        total = calls * (launch + boundary) + calls * iters * it
-        times.append(KernelTime(k.name, calls, iters, launch, boundary, mem, compute, comm, it, total))
+            calls, iters = (n, 1) if k.is_layer else (k.calls, k.iterations)
+            total = calls * (call + latency + iters * body)
+            times.append(KernelTime(k.name, calls, iters, call, latency, mem, compute, comm, body, total))
     mode = "looped" if looped else "unlooped"
     return Estimate(
         f"{hw.name} x{p} {mode}",

@@ -222,9 +222,10 @@ def timeline_section(a: Analysis) -> str:
     )
     out = [
         '<p class="note">Kernel calls of one decode token on one socket (all sockets run the same '
-        "schedule): each call pays a launch, its body, and a boundary (pipeline drain, fill and sync) "
-        "during which HBM idles. Unlooped, every layer is a call and its all-reduce ends it; looped, the "
-        "layers are iterations of one call and the next weights stream during the all-reduce. The HBM "
+        "schedule): each call pays a launch (with its sync), its body, and the pipeline latency (drain and "
+        "fill, the all-reduce hops) during which HBM idles. Unlooped, every layer is a call; looped, the "
+        "layers are iterations of one call and the next weights stream while the activation passes the "
+        "pipeline, so a steady iteration takes max(latency, body). The HBM "
         "traces are the read rate as a share of peak; the dashed line is the fused-kernel streaming "
         "efficiency.</p>",
         f'<div class="keys">{keys}</div>',

@@ -116,7 +116,11 @@ def utilization(alloc: Allocation, mapping: Mapping, est: Estimate, kernel: str)
         f"T = {fmt_time(alloc.stage_time_s)}; critical stage {html.escape(crit.name)} ({crit.pcus} PCUs). "
         f"Looped, each iteration takes {fmt_time(kt.iteration_s)} (memory {fmt_time(kt.memory_s)}, compute "
         f"{fmt_time(kt.compute_s)}, all-reduce {fmt_time(kt.comm_s)}): the PCUs compute "
-        f"{100 * busy:.1f}% of the time."
+        f"{100 * busy:.1f}% of the time. SRAM per socket: stage buffers {alloc.buffer_bytes / 2**20:.1f} MiB "
+        f"({100 * alloc.buffer_bytes / hw.sram_bytes:.1f}% of {hw.sram_bytes / 2**20:.0f} MiB"
+        + (f", {sum(s.tiles > 1 for s in alloc.stages)} stages tiled" if any(s.tiles > 1 for s in alloc.stages) else "")
+        + f"); {mapping.placement.prefetch_bytes / 2**20:.0f} MiB free for the next layer's "
+        f"{mapping.placement.layer_stream_bytes / 2**20:.1f} MiB."
     )
 
 

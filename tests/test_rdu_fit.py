@@ -70,16 +70,16 @@ def test_invariants_roofline_looping_zero_overhead(grid):
         )
         assert floor <= bare_on.per_token_s <= on.per_token_s, (name, b, m.sockets)  # never beats the roofline
         assert on.per_token_s <= off.per_token_s and bare_on.per_token_s <= bare_off.per_token_s  # looping never slower
-        # Zero call overhead and nothing to overlap (no all-reduce): looping gains exactly nothing.
-        nocomm = replace(m, hw=replace(m.hw, p2p_latency_s=0.0, p2p_bw=math.inf))
-        a, z = simulate_rdu(nocomm, looped=True, overheads=False), simulate_rdu(nocomm, looped=False, overheads=False)
-        assert a.per_token_s == z.per_token_s
+        # Zero call cost and zero latency (no stages, no all-reduce): looping gains exactly nothing.
+        bare = replace(m, hw=replace(m.hw, call_s=0.0, stage_latency_s=0.0, p2p_hop_s=0.0, p2p_bw=math.inf))
+        a, z = simulate_rdu(bare, looped=True), simulate_rdu(bare, looped=False)
+        assert a.per_token_s == pytest.approx(z.per_token_s, rel=1e-12)
         if m.sockets == 1:
             assert bare_on.per_token_s == bare_off.per_token_s
-        # The same in the JAX model: zero launch/sync/fill and zero all-reduce time.
-        f = replace(rdu_features(m), comm_steps=jnp.zeros(len(m.kernels)), comm_bw_s=jnp.zeros(len(m.kernels)))
-        zero = dict(rdu_constants(m.hw), launch_s=0.0, sync_s=0.0, stage_fill_drain_s=0.0)
-        assert float(_time(zero, f, looped=True)) == float(_time(zero, f, looped=False))
+        # The same in the JAX model.
+        f = replace(rdu_features(m), comm_bw_s=jnp.zeros(len(m.kernels)))
+        zero = dict(rdu_constants(m.hw), call_s=0.0, stage_latency_s=0.0, p2p_hop_s=0.0)
+        assert float(_time(zero, f, looped=True)) == pytest.approx(float(_time(zero, f, looped=False)), rel=REL)
 
 
 def test_time_decreases_with_bandwidth_by_grad(grid):
@@ -116,7 +116,7 @@ def test_jax_gpu_model_equals_reference_and_grad(gpu_b1, constants):
 def test_fitted_json_is_complete_and_consistent(gpu_b1):
     rec = load_fitted()
     for grp, keys in (
-        ("sn40l", ("launch_s", "sync_s", "stage_fill_drain_s", "hbm_efficiency", "p2p_latency_s")),
+        ("sn40l", ("call_s", "stage_latency_s", "p2p_hop_s", "hbm_efficiency")),
         ("gpu", ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency", "attention_efficiency")),
     ):
         fitted = rec[grp]["fitted"]
@@ -142,10 +142,11 @@ def test_fitted_json_is_complete_and_consistent(gpu_b1):
 def test_constants_choice():
     rec = load_fitted()
     pub, fit = sn40l(), sn40l(constants="fitted")
-    assert pub == sn40l(constants="published") and pub.stage_fill_drain_s == 0.5e-6  # default: published
-    assert pub.boundary_s(55) == pytest.approx(2e-6 + 55 * 0.5e-6)  # sync + depth * per-stage fill/drain
-    for k in ("launch_s", "sync_s", "stage_fill_drain_s", "p2p_latency_s"):
+    assert pub == sn40l(constants="published") and pub.stage_latency_s == 0.5e-6  # default: the priors
+    assert pub.pipeline_latency_s(55) == pytest.approx(55 * 0.5e-6)  # one latency per stage
+    for k in ("stage_latency_s", "p2p_hop_s"):
         assert getattr(fit, k) == rec["sn40l"]["fitted"][k] and "fitted" in fit.source(k)
+    assert fit.call_s == pub.call_s and fit.hbm_efficiency == pub.hbm_efficiency  # not fitted
     assert fit.pcus == pub.pcus
     assert gpu("h200", "fitted").eager_op_s == rec["gpu"]["fitted"]["eager_op_s"]
     assert gpu("h200") is H200
