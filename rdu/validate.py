@@ -160,10 +160,10 @@ def h200_rows(constants: str = "published") -> list[Row]:
     """Our measured H200 step times (BENCHMARKS.md and h200-anchors.md; the rows rdu.fit uses) against
     the GPU mode of the reference simulator; `kind` says whether rdu.fit trained on the row."""
 
-    cfg = get_preset("llama-3.1-8b")
     spec = gpu("h200", constants)
     out = []
     for r in H200_ROWS:
+        cfg = get_preset(r.model)
         g = trace_decode_step(cfg, r.batch, r.context, looped=False)
         e = gpu_estimate(g, spec, batch=r.batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=r.mode)
         out.append(

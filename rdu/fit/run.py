@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from rdu.anchors import DGX_ROW, H200_ROWS, A
+from rdu.anchors import DGX_ROW, H200_ROWS
 from rdu.fit.common import PRIOR_WEIGHT, err_pct, summarize
 from rdu.fit.gpu import fit_gpu, gpu_constants, gpu_row_features, gpu_time
 from rdu.fit.inplace import run_inplace
@@ -106,23 +106,9 @@ def run_fit(steps: int = 600) -> dict:
             "published": summarize([x["published_err_pct"] for x in sub]),
             "fitted": summarize([x["fitted_err_pct"] for x in sub]),
         }
-    # Held-out H200 rows by who measured them: our engine (BENCHMARKS.md) or the plain-JAX peer
-    # (h200-anchors.md), which disagree at batch 8/32 (rdu.anchors.CONFLICTS).
-    for name, peer in (("h200_test_ours", False), ("h200_test_peer", True)):
-        sub = [x for x in rows if x["group"] == "h200" and x["split"] == "test" and (x["source"] == A) == peer]
-        summary[name] = {
-            "published": summarize([x["published_err_pct"] for x in sub]),
-            "fitted": summarize([x["fitted_err_pct"] for x in sub]),
-        }
     for key in [k for k in summary if k.startswith("h200")]:
         split = {"train": "train", "test": "test"}.get(key.split("_")[1])
-        sub = [
-            x
-            for x in rows
-            if x["group"] == "h200"
-            and (split is None or x["split"] == split)
-            and (key not in ("h200_test_ours", "h200_test_peer") or (x["source"] == A) == key.endswith("peer"))
-        ]
+        sub = [x for x in rows if x["group"] == "h200" and (split is None or x["split"] == split)]
         summary[key]["no_batch_term"] = summarize([x["no_batch_term_err_pct"] for x in sub])
     suite = [x for x in rows if x["group"] == "h200" and x["what"].startswith("suite unrolled")]
     for split in ("train", "test", "all"):
