@@ -72,8 +72,9 @@ class Chunk:
 
 @dataclass
 class Generation:
-    """What `Engine.generate` returns: new tokens per sequence and timings; with logprobs asked for, the raw
-    logprob of each new token per sequence (and the top ones: `TokenLogprobs` [B, new], -1 ids past the end)."""
+    """What `Engine.generate` returns: new tokens per sequence and timings. When a row asks for logprobs, each
+    new token's raw logprob per sequence, and all of them as `TokenLogprobs` [B, new] (with the top ones
+    [B, new, k]; columns past a sequence's end token hold nothing meaningful)."""
 
     token_ids: list[list[int]]
     prefill_s: float
@@ -302,6 +303,8 @@ class Engine:
             )
         params = self._row_params(sampling, len(prompts))
         plan = SamplingPlan.of(params)
+        if plan.logprobs is not None and plan.logprobs > self.cfg.vocab_size:
+            raise ValueError(f"logprobs={plan.logprobs} exceeds the vocabulary of {self.cfg.vocab_size} tokens")
         steps = max_new_tokens - 1
         chunk = max(1, min(chunk, steps)) if steps else 1
         n_chunks = -(-steps // chunk)
