@@ -213,7 +213,7 @@ class LLM:
     ) -> list[Completion]:
         """The assistant's next reply to one conversation ([{"role": ..., "content": ...}, ...]) or to each of
         a list of them, through the model's chat template; otherwise as `generate`."""
-        return self._run([self._chat_ids(c, i) for i, c in enumerate(_conversations(conversations))], params)
+        return self._run([self._chat_ids(c) for c in _conversations(conversations)], params)
 
     def stream(self, prompt: str | Sequence[Mapping], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is decoded: a prompt string, or a conversation (chat template).
@@ -228,9 +228,14 @@ class LLM:
         if isinstance(prompt, str):
             ids = self._encode(prompt, 0)
         elif len(convs := _conversations(prompt)) == 1:
-            ids = self._chat_ids(convs[0], 0)
+            ids = self._chat_ids(convs[0])
         else:
             raise ValueError(f"stream takes one prompt or one conversation, got {len(convs)} conversations")
+        return self._stream(ids, params)  # checked here, before the first piece is asked for
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
         [sample], chunks = self._start([ids], [params])
         shown = 0
         try:  # the engine makes exactly the sample's max_new_tokens, so the sample finishes within the loop
@@ -245,15 +250,13 @@ class LLM:
         finally:
             chunks.close()
 
-    # -- internals ---------------------------------------------------------------------------------
-
     def _encode(self, text: str, i: int) -> list[int]:
         ids = self.tokenizer.encode(text)
         if not ids:
             raise ValueError(f"prompt {i} is empty (no tokens): {text!r}")
         return ids
 
-    def _chat_ids(self, conversation: Sequence[Mapping], i: int) -> list[int]:
+    def _chat_ids(self, conversation: Sequence[Mapping]) -> list[int]:
         # The template writes any BOS itself, as HF's apply_chat_template(tokenize=True) assumes.
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(conversation), add_bos=False)
 
