@@ -17,6 +17,7 @@ ENGINE_LAYERS = (
     "jaxdecode.tp",
     "jaxdecode.decode",
     "jaxdecode.loading",
+    "jaxdecode.llm",
     "jaxdecode.cli",
 )
 

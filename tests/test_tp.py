@@ -126,7 +126,7 @@ def _default_model_tp3() -> dict:
     from jaxdecode.decode import Engine
     from jaxdecode.loading import load_model
 
-    loaded = load_model()
+    loaded = load_model(dequantize=True)  # the tensor-parallel splits take dense weights
     tok = loaded.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     one, split = (
