@@ -7,6 +7,7 @@ refuses what it can from the headers before reading a tensor, and checks the val
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset, sh
 from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.looped_model import default_loop_mode
 from jaxdecode.memory import preflight
-from jaxdecode.model import Transformer, init_random, load_state_dict, quantize_weights
+from jaxdecode.model import Transformer, init_random, load_state_dict, quantize_weights, rope_inv_freq
 from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, is_quantized
 from jaxdecode.tokenizer import Tokenizer
 from jaxdecode.tp import TPForward, make_mesh
@@ -88,11 +89,25 @@ def load_model(
     if check_memory:  # before a tensor is read
         preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), weight_bytes=weight_bytes)
     tensors = read_tensors()
-    model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    model = _empty_model(cfg, jnp.dtype(dtype))
     load_state_dict(model, {k: v if is_quantized(v) else np.asarray(v) for k, v in tensors.items()})
     del tensors
     check_finite(model, path)
     return LoadedModel(quantize_weights(model, quantize, group) if quantize else model, tokenizer, str(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _model_structure(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and its parameters' shapes, without values (traced once per config)."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+
+
+def _empty_model(cfg: ModelConfig, dtype) -> Transformer:
+    """A model whose parameters are shapes, for `load_state_dict` to fill: drawing random weights only to
+    overwrite them costs a tiny model 10x its load (a large one seconds and a second copy's memory)."""
+    model = nnx.merge(*_model_structure(cfg, dtype), copy=True)
+    model.inv_freq.set_value(jnp.asarray(rope_inv_freq(cfg)))
+    return model
 
 
 def model_path(spec: str) -> Path:

@@ -202,11 +202,14 @@ class Tokenizer:
         if not (isinstance(types, list) and len(types) == len(tokens) and all(type(t) is int for t in types)):
             raise f.error("tokenizer.ggml.token_type", f"an array of {len(tokens)} integers (one per token)", types)
         vocab = {tok: i for i, tok in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        bad = next((i for i, p in enumerate(pairs) if len(p) != 2), None)
+        if bad is not None:
+            raise f.error(f"tokenizer.ggml.merges[{bad}]", 'a pair "left right"', merges[bad])
         try:
-            pairs = [tuple(m.split(" ", 1)) for m in merges]
             bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False)
-        except Exception as e:  # the Rust side raises plain Exception on bad merges
-            raise TokenizerError(f"{source}: bad GGUF BPE vocabulary: {e}") from None
+        except Exception as e:  # the Rust side raises plain Exception on bad merges, over several lines
+            raise TokenizerError(f"{source}: bad GGUF BPE vocabulary: {str(e).splitlines()[0]}") from None
         backend = tokenizers.Tokenizer(bpe)
         backend.pre_tokenizer = _pre_tokenizer(f.get("tokenizer.ggml.pre", str, "a string", "default"), source)
         backend.decoder = decoders.ByteLevel()

@@ -37,7 +37,7 @@ CHATML = (
 )
 
 
-def _tokenizer_kv() -> dict:
+def tokenizer_kv() -> dict:
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "smollm",
@@ -74,22 +74,23 @@ def write_gguf_kv(
     state: dict[str, np.ndarray] | None = None,
     kv: dict | None = None,
     raw_tensors: dict | None = None,
+    arch: str = "llama",
 ) -> Path:
-    """A llama GGUF as llama.cpp writes it (F32 tensors, q/k permuted), with the test tokenizer and a ChatML
-    template; `kv` adds or replaces metadata (None drops a key), `raw_tensors` {gguf name: (blocks, type)}
-    replace tensors."""
+    """A GGUF as llama.cpp writes it (F32 tensors, q/k permuted for llama), with the test tokenizer and a
+    ChatML template; `kv` adds or replaces metadata (None drops a key), `raw_tensors` {gguf name: (blocks,
+    type)} replace tensors."""
     state = random_hf_state(cfg) if state is None else state
     meta = {
-        "llama.block_count": cfg.n_layers,
-        "llama.context_length": cfg.max_seq_len,
-        "llama.embedding_length": cfg.dim,
-        "llama.feed_forward_length": cfg.ffn_dim,
-        "llama.attention.head_count": cfg.n_heads,
-        "llama.attention.head_count_kv": cfg.n_kv_heads,
-        "llama.rope.freq_base": cfg.rope_theta,
-        "llama.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
-    } | _tokenizer_kv()
-    w = gguf.GGUFWriter(str(path), "llama")
+        f"{arch}.block_count": cfg.n_layers,
+        f"{arch}.context_length": cfg.max_seq_len,
+        f"{arch}.embedding_length": cfg.dim,
+        f"{arch}.feed_forward_length": cfg.ffn_dim,
+        f"{arch}.attention.head_count": cfg.n_heads,
+        f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
+        f"{arch}.rope.freq_base": cfg.rope_theta,
+        f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+    } | tokenizer_kv()
+    w = gguf.GGUFWriter(str(path), arch)
     for key, value in (meta | (kv or {})).items():
         if value is not None:
             _add(w, key, value)
@@ -100,9 +101,9 @@ def write_gguf_kv(
             data, qtype = raw_tensors[name]
             w.add_tensor(name, data, raw_dtype=qtype)
             continue
-        if ".q_proj." in hf:
+        if arch == "llama" and ".q_proj." in hf:
             t = llamacpp_permute(t, cfg.n_heads, cfg.n_heads)
-        elif ".k_proj." in hf:
+        elif arch == "llama" and ".k_proj." in hf:
             t = llamacpp_permute(t, cfg.n_heads, cfg.n_kv_heads)
         w.add_tensor(name, t)
     w.write_header_to_file()
@@ -130,7 +131,7 @@ def write_hf_dir(path: Path, cfg: ModelConfig = TINY, state=None, config: dict |
         tie_word_embeddings=cfg.tie_embeddings,
     )
     (path / "config.json").write_text(json.dumps(raw | (config or {})))
-    Tokenizer.from_gguf(_tokenizer_kv()).backend.save(str(path / "tokenizer.json"))
+    Tokenizer.from_gguf(tokenizer_kv()).backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
     return path
 
@@ -287,7 +288,7 @@ def test_forged_turn_in_user_text_is_encoded_as_text(tmp_path, capsys):
     path = write_gguf_kv(tmp_path / "chat.gguf")
     code, out, err = run_cli(["generate", forged, "--chat", "--json", "--max-new-tokens", "1", "--model", path], capsys)
     assert code == 0, err
-    tok = Tokenizer.from_gguf(_tokenizer_kv())
+    tok = Tokenizer.from_gguf(tokenizer_kv())
     ids = tok.encode_chat([{"role": "user", "content": forged}])
     assert json.loads(out.strip().splitlines()[-1])["prompt_tokens"] == len(ids)
     control = [i for i in ids if i in tok.special_ids]
@@ -411,7 +412,7 @@ def _huge_gguf(path: Path) -> Path:
         "llama.feed_forward_length": HUGE.ffn_dim,
         "llama.attention.head_count": HUGE.n_heads,
         "llama.attention.head_count_kv": HUGE.n_kv_heads,
-    } | _tokenizer_kv()
+    } | tokenizer_kv()
     for key, value in meta.items():
         _add(w, key, value)
     total = 0

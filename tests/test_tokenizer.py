@@ -266,6 +266,10 @@ def test_text_that_is_not_utf8_is_refused(tok):
         ({"tokenizer.ggml.tokens": ["a", 1]}, r"tokenizer.ggml.tokens must be an array of strings"),
         ({"tokenizer.ggml.token_type": [3] * 7}, r"tokenizer.ggml.token_type must be an array of 8 integers"),
         ({"tokenizer.ggml.model": 2}, r"tokenizer.ggml.model must be a string, got 2"),
+        (
+            {"tokenizer.ggml.merges": ["h i", "hi"]},
+            r"tokenizer.ggml.merges\[1\] must be a pair \"left right\", got 'hi'",
+        ),
     ],
 )
 def test_gguf_metadata_is_typed(extra, match):
