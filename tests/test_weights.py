@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -14,11 +16,24 @@ from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize
-from helpers import gguf_name, random_hf_state, write_gguf
+from helpers import SMOLLM_TOKENS, gguf_name, random_hf_state, write_gguf
+from safetensors.numpy import load_file as safetensors_load_np
+from safetensors.numpy import save_file
 
-from jaxdecode.config import PRESETS
-from jaxdecode.weights import WeightsError, default_model_path, gguf_config, gguf_state_dict, load_hf_dir, read_gguf
+from jaxdecode.config import PRESETS, RopeScaling
+from jaxdecode.loading import load_model
+from jaxdecode.weights import (
+    WeightsError,
+    default_model_path,
+    gguf_config,
+    gguf_state_dict,
+    load_hf_dir,
+    read_gguf,
+    read_safetensors,
+)
+from jaxdecode.weights.checks import config_problem, make_config
 from jaxdecode.weights.quant import FORMATS, dequantize
+from jaxdecode.weights.safetensors import read_hf_dir
 
 # Worst-case absolute error of a quantized round trip for N(0, 1) data: one step of the block scale
 # (max|x| / 7 for 4-bit, / 15 for 5-bit, / 127 for 8-bit; blocks of 32 rarely exceed |x| = 4).
@@ -548,3 +563,77 @@ def test_hf_dir_bad_inputs(tmp_path, hf_dir):
     with pytest.raises(WeightsError, match=r"no \*\.safetensors files"):
         load_hf_dir(hf_dir)
     shutil.rmtree(hf_dir)
+
+
+# --- values and files that are not what they claim ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("rms_norm_eps", float("nan"), "eps_key must be a number in (0, 1) that float32 holds, got nan"),
+        ("rms_norm_eps", 1e-45, "eps_key must be a number in (0, 1)"),  # 0 in float32
+        ("rms_norm_eps", 1.0, "eps_key must be a number in (0, 1)"),
+        ("rope_theta", -5.0, "theta_key must be a positive float32 number, got -5.0"),
+        ("rope_theta", 1e39, "theta_key must be a positive float32 number"),  # inf in float32
+        ("rope_theta", True, "theta_key must be a positive float32 number, got True"),
+        ("n_layers", 0, "n_layers must be a positive integer, got 0"),
+        ("n_heads", 2.0, "n_heads must be a positive integer, got 2.0"),
+        ("head_dim", 7, "head_dim must be a positive even integer"),
+        ("tie_embeddings", 1, "tie_embeddings must be true or false, got 1"),
+    ],
+)
+def test_config_values_are_checked_naming_the_files_key(field, value, message):
+    """One validation (checks.make_config) for GGUF metadata and config.json: `keys` maps a field to the
+    file's name for it, so the message names what the user can find in the file."""
+    fields = dict(PRESETS["tiny-gqa"].__dict__) | {field: value}
+    with pytest.raises(WeightsError, match=re.escape(f"model.x: {message}")):
+        make_config("model.x", {"rms_norm_eps": "eps_key", "rope_theta": "theta_key"}, **fields)
+
+
+def test_llama3_rope_scaling_values_are_checked():
+    cfg = PRESETS["tiny-llama3"]
+    bad = RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    assert config_problem(dict(cfg.__dict__), {}) is None
+    assert "low_freq_factor (4.0) must be below high_freq_factor (4.0)" in config_problem(
+        dict(cfg.__dict__) | {"rope_scaling": bad}, {}
+    )
+    nan = RopeScaling(float("nan"), 1.0, 4.0, 16)
+    assert "rope_scaling.factor must be a positive float32 number" in config_problem(
+        dict(cfg.__dict__) | {"rope_scaling": nan}, {}
+    )
+
+
+@pytest.mark.parametrize("kind", ["fifo", "char device", "directory", "missing"])
+def test_only_regular_files_are_opened(tmp_path, kind):
+    path = {"char device": Path("/dev/zero"), "directory": tmp_path}.get(kind, tmp_path / "m.gguf")
+    if kind == "fifo":
+        os.mkfifo(path)
+    expected = {"fifo": "is a FIFO", "char device": "is a character device", "directory": "is a directory"}
+    with pytest.raises(WeightsError, match=expected.get(kind, "no such file")):
+        read_gguf(path)
+    with pytest.raises(WeightsError, match=expected.get(kind, "no such file")):
+        read_safetensors(path)
+
+
+def test_hf_header_is_checked_before_any_tensor_is_read(tmp_path, hf_dir):
+    """read_hf_dir reads config.json and the headers only: its byte count is the headers', and an integer
+    tensor (a quantized checkpoint) is refused before a value is read."""
+    checkpoint = read_hf_dir(hf_dir)
+    cfg, state = load_hf_dir(hf_dir)
+    assert checkpoint.cfg == cfg and checkpoint.device_bytes(4) == 4 * cfg.n_params
+    assert all(np.array_equal(checkpoint.state_dict()[k], state[k]) for k in state)
+    tensors = safetensors_load_np(hf_dir / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].view(np.int32)
+    save_file(tensors, hf_dir / "model.safetensors")
+    with pytest.raises(WeightsError, match="tensor model.norm.weight has unsupported dtype I32"):
+        read_hf_dir(hf_dir)
+
+
+def test_load_model_twice_gives_independent_models(tmp_path):
+    """Loads share one traced structure per config; each fills its own copy."""
+    cfg = PRESETS["tiny-gqa"].replace(vocab_size=len(SMOLLM_TOKENS))
+    a = load_model(str(write_gguf(tmp_path / "a.gguf", cfg, random_hf_state(cfg, seed=1))))
+    b = load_model(str(write_gguf(tmp_path / "b.gguf", cfg, random_hf_state(cfg, seed=2))))
+    np.testing.assert_array_equal(a.model.norm.weight.get_value(), random_hf_state(cfg, seed=1)["model.norm.weight"])
+    np.testing.assert_array_equal(b.model.norm.weight.get_value(), random_hf_state(cfg, seed=2)["model.norm.weight"])
