@@ -7,7 +7,7 @@ allocation in time. So templates render in a worker process (this file run as a 
 jinja2) whose address space is capped with RLIMIT_AS: the kernel refuses any allocation past the cap
 and the template gets a MemoryError, whatever operation made it. The parent waits at most `seconds`
 for an answer and kills the worker past that; a worker that died is replaced on the next render.
-One worker serves the whole process, started on the first render (about 0.2 s).
+One worker serves the whole process, started on the first render.
 
 Protocol: one ASCII JSON object per line each way. Request {"template", "context", "max_chars"}; answer
 {"text"} or {"error"}. The worker renders with `Template.generate` and stops at `max_chars`.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TemplateLimits:
-    """Bounds on one rendering. A real template renders a conversation in milliseconds, in a few MB."""
+    """Bounds on one rendering, far above what a real template needs for a conversation that fits a context."""
 
     seconds: float = 2.0  # wall time of one rendering (the worker's start is not counted)
     output_chars: int = 1 << 22  # the rendered prompt: 4 Mi characters, past any model's context
@@ -107,11 +107,15 @@ def render(template: str, context: dict, limits: TemplateLimits = TemplateLimits
 
 
 def _cap_memory(extra: int) -> None:
-    """RLIMIT_AS = the address space in use now + `extra` (Linux: /proc/self/statm's first field)."""
+    """RLIMIT_AS = the address space in use now + `extra` (Linux: /proc/self/statm's first field; where
+    there is no /proc the worker runs uncapped, bounded by time and output only)."""
     import resource
 
-    with open("/proc/self/statm") as fh:
-        in_use = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/self/statm") as fh:
+            in_use = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     cap = in_use + extra if hard == resource.RLIM_INFINITY else min(in_use + extra, hard)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))

@@ -103,8 +103,8 @@ def _model_structure(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def _empty_model(cfg: ModelConfig, dtype) -> Transformer:
-    """A model whose parameters are shapes, for `load_state_dict` to fill: drawing random weights only to
-    overwrite them costs a tiny model 10x its load (a large one seconds and a second copy's memory)."""
+    """A model whose parameters are shapes, for `load_state_dict` to fill: random weights drawn only to be
+    overwritten would cost more than the load itself. Each call is a copy; the structure is shared."""
     model = nnx.merge(*_model_structure(cfg, dtype), copy=True)
     model.inv_freq.set_value(jnp.asarray(rope_inv_freq(cfg)))
     return model

@@ -114,7 +114,7 @@ class _Fields:
         if value is not None and not isinstance(value, str):
             raise self.error(key, "a string (a jinja2 chat template)", value)
         if value is not None and len(value) > _MAX_TEMPLATE_CHARS:
-            raise self.error(key, f"at most {_MAX_TEMPLATE_CHARS} characters", f"{len(value)} characters")
+            raise self.error(key, f"at most {_MAX_TEMPLATE_CHARS} characters long", len(value))
         return value
 
 
@@ -166,9 +166,8 @@ class Tokenizer:
         fields = _Fields({}, source)
         n = self.max_id + 1
         extra = list(extra_eos_ids)
-        for name, i in [("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)] + [
-            ("extra_eos_ids", i) for i in extra
-        ]:
+        ids = [("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)] + [("extra_eos_ids", i) for i in extra]
+        for name, i in ids:
             fields.token_id(name, i, n)
         self.bos_id, self.eos_id, self.pad_id, self.add_bos = bos_id, eos_id, pad_id, bool(add_bos)
         self.chat_template = fields.template("chat_template", chat_template)

@@ -19,8 +19,8 @@ step is one XLA program on the CPU: the row max and the exp recompute the scaled
 whose roundings differ by up to half an ulp (256 at scores near 4e9), far past exp's range, so every
 exp(score - max) underflows (`test_huge_attention_scores_are_finite_or_refused`).
 
-CI runs `CI_CASES` cases with a fixed seed and fewer shapes (about 20 s on two cores, half of it compiling
-the forward of each drawn structure once). The large budget is run by hand:
+CI runs `CI_CASES` cases with a fixed seed and fewer shapes (compiling the forward of each drawn structure
+is most of a short run). The large budget is run by hand:
 
     JAXDECODE_FUZZ_CASES=100000 uv run --group test pytest -q -n 0 tests/test_fuzz_whole_path.py -k whole_path -s
 
@@ -65,7 +65,7 @@ from jaxdecode.weights import WeightsError
 
 CI_CASES = 300
 CASES = int(os.environ.get("JAXDECODE_FUZZ_CASES", CI_CASES))
-CASE_SECONDS = 30.0  # a hang, not slowness: a case takes milliseconds once its shape is compiled
+CASE_SECONDS = 30.0  # a hang, not slowness: far above a case's time, first compilation included
 LIMITS = TemplateLimits(seconds=0.25, output_chars=1 << 16)  # the rule is the same; the budget goes further
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this, so that few shapes compile
 NAN, INF = float("nan"), float("inf")
@@ -288,7 +288,7 @@ def _next_token(graphdef, state, tokens, length):
     return last, sample(last[None], jax.random.key(0), SamplingParams())[0]
 
 
-# One compilation per drawn model structure and prompt bucket (a second or two each), then milliseconds.
+# One compilation per drawn model structure and prompt bucket, reused by every later case of it.
 NEXT_TOKEN = jax.jit(_next_token, static_argnums=0)
 
 
