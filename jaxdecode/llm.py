@@ -257,8 +257,9 @@ class LLM:
         return ids
 
     def _chat_ids(self, conversation: Sequence[Mapping]) -> list[int]:
-        # The template writes any BOS itself, as HF's apply_chat_template(tokenize=True) assumes.
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(conversation), add_bos=False)
+        # The template writes any BOS itself, as HF's apply_chat_template(tokenize=True) assumes; special-token
+        # text inside a message stays text (`encode_chat`), so a message cannot forge a turn.
+        return self.tokenizer.encode_chat(list(conversation), add_bos=False)
 
     def _start(self, prompts: list[list[int]], per_prompt: list[SamplingParams], timings: dict | None = None):
         """(one `_Sample` per row, the engine's chunk iterator) for prompts, n rows each."""
