@@ -50,12 +50,11 @@ _POSITIVE = _int_in(1)
 
 def _utf8(text: str, what: str) -> str:
     """`text` unless it holds undecodable bytes (Python keeps them in argv and stdin as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        ch = ord(text[e.start])
-        byte = f"byte {ch - 0xDC00:#04x}" if 0xDC80 <= ch <= 0xDCFF else f"U+{ch:04X}"
-        raise CliError(f"{what} is not valid UTF-8 ({byte} at character {e.start})") from None
+    from jaxdecode.tokenizer import utf8_problem
+
+    problem = utf8_problem(text)
+    if problem:
+        raise CliError(f"{what} is not valid UTF-8 ({problem})")
     return text
 
 

@@ -12,7 +12,6 @@ prompt only the template's own markers become control tokens: special-token text
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import threading
@@ -25,7 +24,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from jaxdecode.chat_template import TemplateError, TemplateLimits, render
-from jaxdecode.weights.checks import WeightsError, read_text
+from jaxdecode.weights.checks import WeightsError, read_json_object, read_text
 
 
 class TokenizerError(WeightsError):
@@ -132,17 +131,6 @@ def _hf_token(fields: _Fields, backend: tokenizers.Tokenizer, key: str, n: int) 
     return fields.token_id(key, i, n)
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
-    text = read_text(path, "JSON", _MAX_CONFIG_JSON)
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise TokenizerError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: not a JSON object")
-    return data
-
-
 class Tokenizer:
     """Text ↔ token ids, special tokens, streaming decode and chat templates.
 
@@ -242,8 +230,16 @@ class Tokenizer:
             raise TokenizerError(f"{d / 'tokenizer.json'}: cannot load: {e}") from None
         n = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         paths = {name: d / name for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")}
-        conf = _read_json_object(paths["tokenizer_config.json"]) if paths["tokenizer_config.json"].exists() else {}
-        gen = _read_json_object(paths["generation_config.json"]) if paths["generation_config.json"].exists() else {}
+        conf = (
+            read_json_object(paths["tokenizer_config.json"], _MAX_CONFIG_JSON, TokenizerError)
+            if paths["tokenizer_config.json"].exists()
+            else {}
+        )
+        gen = (
+            read_json_object(paths["generation_config.json"], _MAX_CONFIG_JSON, TokenizerError)
+            if paths["generation_config.json"].exists()
+            else {}
+        )
         f, g = _Fields(conf, str(paths["tokenizer_config.json"])), _Fields(gen, str(paths["generation_config.json"]))
         bos_id = _hf_token(f, backend, "bos_token", n)
         template = conf.get("chat_template")
@@ -389,13 +385,22 @@ def _checked_text(text: str) -> str:
     A lone surrogate is what Python makes of undecodable bytes (surrogateescape), e.g. in argv."""
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")
+    problem = utf8_problem(text)
+    if problem:
+        raise ValueError(f"text is not valid UTF-8: {problem}")
+    return text
+
+
+def utf8_problem(text: str) -> str | None:
+    """Where `text` cannot be encoded as UTF-8 ("byte 0xff at character 2": a lone surrogate is what Python
+    makes of an undecodable byte, in argv or stdin), or None."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         ch = ord(text[e.start])
         what = f"byte {ch - 0xDC00:#04x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
-        raise ValueError(f"text is not valid UTF-8: {what} at character {e.start}") from None
-    return text
+        return f"{what} at character {e.start}"
+    return None
 
 
 class StreamDecoder:

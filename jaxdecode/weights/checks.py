@@ -9,6 +9,7 @@ hold exactly the parameters of its `ModelConfig`, under HF names, each with its 
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
@@ -84,6 +85,18 @@ def read_text(path: Path, kind: str, limit: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise WeightsError(f"{path}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
+def read_json_object(path: Path, limit: int, error: type[WeightsError] = WeightsError) -> dict:
+    """The JSON object in a regular file of at most `limit` bytes; else `error` (a WeightsError) naming the file."""
+    text = read_text(path, "JSON", limit)
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise error(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: not a JSON object")
+    return data
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

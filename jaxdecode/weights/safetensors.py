@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxdecode.config import ModelConfig, RopeScaling
-from jaxdecode.weights.checks import WeightsError, check_state_dict, make_config, open_map, read_text
+from jaxdecode.weights.checks import WeightsError, check_state_dict, make_config, open_map, read_json_object
 
 # safetensors dtype → numpy dtype (None: known, with its size, but not loadable as a float weight).
 _DTYPES: dict[str, tuple[Any, int]] = {
@@ -106,17 +106,6 @@ def _load_tensor(info: SafetensorInfo, buf, dtype) -> np.ndarray:
 _JSON_LIMIT = 1 << 26  # config.json and the index are a few kB; a larger "JSON" file is not one of them
 
 
-def _read_json(path: Path) -> dict:
-    text = read_text(path, "JSON", _JSON_LIMIT)
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise WeightsError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise WeightsError(f"{path}: expected a JSON object")
-    return data
-
-
 def _rope(path: Path, raw: dict) -> tuple[Any, RopeScaling | None]:
     """(rope_theta, scaling) from either transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`);
     `make_config` checks their values."""
@@ -163,7 +152,7 @@ def hf_config(path: str | Path, raw: dict | None = None, name: str | None = None
     """ModelConfig from a HF config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), every
     value checked as GGUF metadata is (`checks.make_config`)."""
     path = Path(path)
-    raw = _read_json(path) if raw is None else raw
+    raw = read_json_object(path, _JSON_LIMIT) if raw is None else raw
     archs = raw.get("architectures") or []
     arch = _ARCHS.get(archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None)
     if arch is None:
@@ -197,7 +186,7 @@ def hf_config(path: str | Path, raw: dict | None = None, name: str | None = None
 def _shards(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index, _JSON_LIMIT).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise WeightsError(f"{index}: missing or bad weight_map")
         names = sorted(set(weight_map.values()))
