@@ -165,7 +165,10 @@ def run_cli_bench(args) -> int:
         if any(p in HF_PEERS for p in plan.peers):
             # jax would otherwise take 75% of the GPU at its first allocation, leaving torch too little.
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        run_suite(plan, out_dir=args.out)
+        summary = run_suite(plan, out_dir=args.out)
+        if not summary["rows"]:  # every row refused, failed or skipped: a run that measured nothing fails
+            refused = len(summary["errors"]) + len(summary["skipped"])
+            raise ValueError(f"bench measured nothing: {refused} refused, failed or skipped (the lines above say why)")
         return 0
     return run_plain(args)
 
