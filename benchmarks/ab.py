@@ -245,7 +245,8 @@ def build_engine(model, v: Variant):
     """The variant's engine on one copy of the weights (split over v.tp devices by `TPForward.from_model`)."""
     kw = dict(loop_layers=v.loop_layers, hooks=v.engine_hooks(), stacked_dot=v.engine_stacked_dot())
     if v.quantize:  # a quantized copy: new arrays in new modules, the dense weights stay for the next variant
-        model = quantize_weights(nnx.merge(*nnx.split(model)), v.quantize)
+        graph, state = nnx.split(model)  # new Variables over the same arrays: set_value must not reach `model`
+        model = quantize_weights(nnx.merge(graph, jax.tree.map(lambda a: a, state)), v.quantize)
     if v.tp == 1:
         return Engine(model, loop_mode=v.loop_mode, **kw)
     mode = v.loop_mode or default_loop_mode()

@@ -8,11 +8,14 @@ In one process:
     shape (int4 G=128 f32 scales, int4 G=32 f16 scales with offsets, int8 G=128 bf16 scales); a
     variant that fails to lower prints its error's first line and the run goes on;
 (b) time per call for the Llama-3.1-8B projections (N, K) = q/o (4096, 4096), k/v (1024, 4096),
-    gate/up (14336, 4096), down (4096, 14336) at M = 1 and 8: int4 G=128 f32 scales (every variant),
-    int8 G=128 f32 scales, bf16 `flat_gemm` (mosaic) and a plain XLA bf16 dot (which copies W[l]
-    out of the stack). Each timed jit is one `lax.fori_loop` over the L = 32 stacked layers with a
-    traced layer index (launch gaps as in a decode step; x is loop-invariant, so XLA may hoist its
-    pad); µs per call = median over runs of the jit's wall time / L;
+    gate/up (14336, 4096), down (4096, 14336) at M = 1 and 8: int4 G=128 f32 scales and offsets
+    (`--quantize int4`'s format, every variant), int8 G=128 f32 scales, bf16 `flat_gemm` (mosaic) and a
+    plain XLA bf16 dot (which copies W[l] out of the stack). Each timed jit makes L = 32 calls, one per
+    stacked layer, unrolled, with traced layer indices (kernels back to back as in a CUDA graph, the
+    way torch's row is timed); µs per call = median over runs of the jit's wall time / L ("wall",
+    launch-bound for small calls), and from one profiled run the GPU time of all the jit's kernels / L
+    ("device", what a row's GB/s uses: the op's pad and epilogue kernels count) and the op's main
+    kernel alone ("kernel");
 (c) the HBM read ceiling in the same process; every row's GB/s counts its own bytes (codes + scales
     + x + y, or the bf16 weight + x + y) and its % of the ceiling;
 (d) if torch imports: tinygemm int4 (`_convert_weight_to_int4pack` + `_weight_int4pack_mm`, group
@@ -46,15 +49,15 @@ LAYERS = 32
 SHAPES = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)}  # (N, K)
 MS = (1, 8)
 GROUP = 128
-VARIANTS = {  # name: QuantBlocks; the first is the default
-    "acc_n128_k256": qg.QuantBlocks(),
-    "w_n128_k256": qg.QuantBlocks(scale_in="w"),
-    "acc_n64_k256": qg.QuantBlocks(tile_n=64),
-    "acc_n128_k512": qg.QuantBlocks(tile_k=512),
-    "w_n64_k512": qg.QuantBlocks(tile_n=64, tile_k=512, scale_in="w"),
-    "acc_n256_k256": qg.QuantBlocks(tile_n=256),
+VARIANTS = {  # name: QuantBlocks; the first is the default ("w" for int4 with offsets, "acc" for int8)
+    "default": qg.QuantBlocks(),
+    "w_ctas264": qg.QuantBlocks(scale_in="w", target_ctas=264),  # two CTAs per SM where N allows
+    "w_n64_ctas264": qg.QuantBlocks(scale_in="w", tile_n=64, target_ctas=264),
+    "w_stages6": qg.QuantBlocks(scale_in="w", max_concurrent_steps=6),
+    "w_k512_ctas264": qg.QuantBlocks(scale_in="w", tile_k=512, target_ctas=264),
+    "acc_offsets_xla": qg.QuantBlocks(scale_in="acc"),  # int4: offsets through the wrapper's XLA dot
 }
-INT8_VARIANTS = ("acc_n128_k256", "w_n128_k256")
+INT8_VARIANTS = ("default", "w_ctas264", "w_stages6")
 RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,
@@ -119,12 +122,12 @@ def bf16_bytes(m: int, n: int, k: int) -> int:
 
 def log_bytes() -> None:
     """Bytes per call of the Llama-3.1-8B shapes (whatever the run times), for checking by hand."""
-    log("bytes per call (MiB) at M = 1 / 8: int4 G=128 f32 scales, int8 G=128 f32 scales, bf16")
+    log("bytes per call (MiB) at M = 1 / 8: int4 G=128 f32 scales + offsets, int8 G=128 f32 scales, bf16")
     for shape, (n, k) in SHAPES.items():
         row = [
             [f(m) / 2**20 for m in MS]
             for f in (
-                lambda m: quant_bytes(m, n, k, 4, GROUP, 4),
+                lambda m: quant_bytes(m, n, k, 4, GROUP, 8),
                 lambda m: quant_bytes(m, n, k, 8, GROUP, 4),
                 lambda m: bf16_bytes(m, n, k),
             )
@@ -202,38 +205,61 @@ def check_variants() -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# (b) timing: one fori_loop over the stacked layers per jit
+# (b) timing: L calls over the stacked layers per jit
 
 
 def time_loop(gemm, weights: tuple, m: int, n: int, k: int) -> tuple[float, float]:
     """(median µs per call, compile + first run s) of gemm(x, l, *weights) [M, N] over l = 0..L-1
-    inside one jitted fori_loop. The stacks are the jit's arguments: closed over, they would be
+    unrolled in one jit. The stacks are the jit's arguments: closed over, they would be
     baked into the executable as constants (GBs)."""
     layers = RUN["layers"]
     x = jax.random.normal(jax.random.key(7), (m, k), jnp.float32).astype(jnp.bfloat16)
 
     @jax.jit
-    def loop(x, weights):
-        body = lambda l, acc: acc + gemm(x, l, *weights).astype(jnp.float32)  # the add keeps every call live
-        return lax.fori_loop(0, layers, body, jnp.zeros((m, n), jnp.float32))
+    def loop(x, weights, index):  # index [L] int32: traced, so no call sees a constant layer
+        # unrolled (an XLA while loop adds a host round trip per call); every output returned, so every
+        # call stays live with no kernel of the harness's own between them
+        return tuple(gemm(x, index[l], *weights) for l in range(layers))
 
+    index = jnp.arange(layers, dtype=jnp.int32)
     t0 = time.perf_counter()
-    jax.block_until_ready(loop(x, weights))
+    jax.block_until_ready(loop(x, weights, index))
     first = time.perf_counter() - t0
     for _ in range(RUN["warmup"]):
-        jax.block_until_ready(loop(x, weights))
+        jax.block_until_ready(loop(x, weights, index))
     ts = []
     for _ in range(RUN["runs"]):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(x, weights))
+        jax.block_until_ready(loop(x, weights, index))
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / layers * 1e6, first
+    device_us, kernel_us = profiled(lambda: jax.block_until_ready(loop(x, weights, index)))
+    return statistics.median(ts) / layers * 1e6, first, device_us / layers, kernel_us
 
 
-def record(shape: str, m: int, impl: str, variant: str, us, nbytes: int, ceiling: float, error=None, first_s=None):
+def profiled(run) -> tuple[float, float]:
+    """(GPU µs of all kernels of one run(), median µs of its most time-consuming kernel name) from a
+    profiler trace (benchmarks/gpu_trace.py); NaNs where no trace is written (the CPU)."""
+    if RUN["dry"]:
+        return float("nan"), float("nan")
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_trace
+
+    events = gpu_trace.traced_events(run, tempfile.mkdtemp())
+    kernels = gpu_trace.kernel_events(events, gpu_trace.gpu_pids(gpu_trace.track_names(events)))
+    top = gpu_trace.top_by_name(kernels, 1)[0][0]
+    main = [e["dur"] for e in kernels if e["name"][:60] == top]
+    return sum(e["dur"] for e in kernels), statistics.median(main)
+
+
+def record(
+    shape: str, m: int, impl: str, variant: str, us, nbytes: int, ceiling: float, error=None, first_s=None, extra=None
+):
+    """One row; `us` is the time its GB/s uses (device time where profiled), `extra` more timings."""
     gbps = nbytes / us / 1e3 if us else float("nan")
     row = dict(shape=shape, m=m, impl=impl, variant=variant, bytes=nbytes, us=None if us is None else round(us, 2))
-    row.update(gb_s=round(gbps, 1), pct_ceiling=round(100 * gbps / ceiling, 1))
+    row.update(gb_s=round(gbps, 1), pct_ceiling=round(100 * gbps / ceiling, 1), **(extra or {}))
     if first_s is not None:
         row["compile_s"] = round(first_s, 1)
     if error:
@@ -250,8 +276,9 @@ def attempt_time(shape, m, impl, variant, nbytes, ceiling, gemm, weights, n, k):
         record(shape, m, impl, variant, None, nbytes, ceiling, error="skipped: past --budget-s")
         return
     try:
-        us, first = time_loop(gemm, weights, m, n, k)
-        record(shape, m, impl, variant, us, nbytes, ceiling, first_s=first)
+        wall, first, device, kernel = time_loop(gemm, weights, m, n, k)
+        extra = dict(wall_us=round(wall, 2), kernel_us=round(kernel, 2))
+        record(shape, m, impl, variant, wall if np.isnan(device) else device, nbytes, ceiling, None, first, extra)
     except Exception as e:  # noqa: BLE001  (one failing variant must not end the run)
         record(shape, m, impl, variant, None, nbytes, ceiling, error=first_line(e))
 
@@ -261,16 +288,18 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
     for i, (shape, (n, k)) in enumerate(RUN["shapes"].items()):
         key = jax.random.key(100 + i)
         for cdt, names in ((jnp.int4, list(variants)), (jnp.int8, list(int8_variants))):
-            codes, scales, _ = quant_inputs(key, layers, n, k, cdt, GROUP, jnp.float32)
+            with_offsets = cdt == jnp.int4  # --quantize int4 is asymmetric: f32 offsets beside the scales
+            codes, scales, offsets = quant_inputs(key, layers, n, k, cdt, GROUP, jnp.float32, with_offsets)
             bits = jnp.iinfo(cdt).bits
             for m in MS:
-                nbytes = quant_bytes(m, n, k, bits, GROUP, 4)
+                nbytes = quant_bytes(m, n, k, bits, GROUP, 8 if with_offsets else 4)
                 for name in names:
-                    gemm = lambda x, l, c, s, cfg=variants[name]: qg.quant_gemm(
-                        x, c, s, None, l, group=GROUP, block_sizes=cfg, interpret=interp
+                    gemm = lambda x, l, c, s, *o, cfg=VARIANTS[name]: qg.quant_gemm(
+                        x, c, s, o[0] if o else None, l, group=GROUP, block_sizes=cfg, interpret=interp
                     )
-                    attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, (codes, scales), n, k)
-            del codes, scales
+                    arrays = (codes, scales) + ((offsets,) if with_offsets else ())
+                    attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, arrays, n, k)
+            del codes, scales, offsets
             gc.collect()
         w = jax.random.normal(key, (layers, k, n), jnp.float32).astype(jnp.bfloat16)  # [L, K, N]
         flat = lambda x, l, w: fg.flat_gemm(x, w, l, impl="mosaic", block_sizes=RUN["fg_blocks"], interpret=interp)
@@ -389,17 +418,18 @@ def main(argv=None) -> dict:
         variants = dict(list(VARIANTS.items())[:2]) if args.quick else VARIANTS
         int8 = INT8_VARIANTS[:1] if args.quick else INT8_VARIANTS
         since = time.perf_counter() - t_start
-        log(f"(b) µs per call in a fori_loop over stacked layers, GB/s in each row's bytes  [{since:.0f} s]")
-        time_shapes(ceiling, variants, int8)
-        if not RUN["dry"]:
-            log(f"(d) torch tinygemm int4  [{time.perf_counter() - t_start:.0f} s]")
+        if not RUN["dry"]:  # the peer first, so that --budget-s never cuts it
+            log(f"(d) torch tinygemm int4  [{since:.0f} s]")
             time_torch_tinygemm(ceiling)
+        log(f"(b) µs per call, L calls over stacked layers in one jit, GB/s in each row's bytes  [{since:.0f} s]")
+        time_shapes(ceiling, variants, int8)
     save()
-    log("\nshape    M   impl       variant             µs     GB/s  %ceil")
+    log("\nshape    M   impl       variant          device µs  kernel µs   wall µs    GB/s  %ceil")
     for r in ROWS:
         if r["us"] is not None:
             name = f"{r['shape']:8s} {r['m']:<3d} {r['impl']:10s} {r['variant']:16s}"
-            log(f"{name} {r['us']:8.2f} {r['gb_s']:7.0f} {r['pct_ceiling']:6.1f}")
+            times = f"{r['us']:9.2f} {r.get('kernel_us', float('nan')):10.2f} {r.get('wall_us', r['us']):9.2f}"
+            log(f"{name} {times} {r['gb_s']:7.0f} {r['pct_ceiling']:6.1f}")
     print(json.dumps(summary, separators=(",", ":")))
     return summary
 

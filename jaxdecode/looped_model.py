@@ -36,7 +36,16 @@ from jax import lax
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, TensorParallel, get_preset
-from jaxdecode.looping import LoopPlan, LoopReport, Packed, SplitSum, StackedRef, kernel_loop, takes_split_sums
+from jaxdecode.looping import (
+    LoopPlan,
+    LoopReport,
+    Packed,
+    SplitSum,
+    StackedRef,
+    kernel_loop,
+    outside_runs,
+    takes_split_sums,
+)
 from jaxdecode.model import Hook, Transformer
 from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, qkv_rope, quant_gemm, rms_norm
 
@@ -105,6 +114,7 @@ def kernel_stacked_dot(
     return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
 
 
+@outside_runs
 def kernel_quant_dot(
     x,
     codes,
@@ -115,16 +125,21 @@ def kernel_quant_dot(
     interpret: bool = False,
 ):
     """The `stacked_calls["quant_dot"]` hook: x [..., K] times layer i of a quantized weight stack, codes
-    [L, N, K] and scales (offsets) [L, K/G, N] read in place by `kernels.quant_gemm`. Returns [y [..., N]],
-    or None (the call then runs as written: XLA dequantizes row i and dots): off Hopper, activations
-    that are not 16-bit, M past the kernel's 256, or shapes it does not tile. An explicit `impl` (tests:
-    "mosaic" with `interpret=True`) skips the device and dtype checks, not the tiling."""
+    [L, N, K] and scales (offsets) [L, K/G, N] read in place by `kernels.quant_gemm`; outside the looped
+    runs, a plain quantized weight (codes [N, K]: the output projection). Returns [y [..., N]], or None
+    (the call then runs as written: XLA dequantizes and dots): off Hopper, activations that are not
+    16-bit, M past the kernel's 256, or shapes it does not tile. An explicit `impl` (tests: "mosaic"
+    with `interpret=True`) skips the device and dtype checks, not the tiling."""
     refs = (codes, scales, *offsets)
-    if not all(isinstance(r, StackedRef) for r in refs) or len(offsets) > 1 or isinstance(x, StackedRef):
+    stacked = all(isinstance(r, StackedRef) for r in refs)
+    plain = not any(isinstance(r, StackedRef) for r in refs) and codes.ndim == 2
+    if not (stacked or plain) or len(offsets) > 1 or isinstance(x, StackedRef):
         return None
+    arrays = [r.stack for r in refs] if stacked else list(refs)  # [L, ...] stacks, or one layer's arrays
+    index = codes.index if stacked else None
     *lead, k = x.shape
     m = int(np.prod(lead, dtype=int))
-    n, groups = codes.stack.shape[1], scales.stack.shape[1]
+    n, groups = arrays[0].shape[-2], arrays[1].shape[-2]
     if impl is None:
         if dispatch.gpu_kind() not in ("H100", "H200") or x.dtype not in (jnp.bfloat16, jnp.float16):
             return None
@@ -134,10 +149,10 @@ def kernel_quant_dot(
     try:
         y = quant_gemm.quant_gemm(
             x.reshape(m, k),
-            codes.stack,
-            scales.stack,
-            offsets[0].stack if offsets else None,
-            codes.index,
+            arrays[0],
+            arrays[1],
+            arrays[2] if offsets else None,
+            index,
             group=k // groups,
             impl=impl,
             block_sizes=block_sizes,

@@ -18,20 +18,21 @@ so they scale rows of the LHS, or of a per-group accumulator: two variants (`Qua
 - "acc": each group's wgmma goes to a fresh f32 accumulator, which is scaled row-wise by the group's
   scales (a [tile_n] vector in the accumulator's row layout) and added to a running f32 sum carried
   through the pipeline. The scales stay f32-exact; the price is a wgmma wait per group.
-- "w": the scales multiply the converted codes in registers (in x's dtype) and every group
-  accumulates into one wgmma accumulator, waited on once per step. Each weight is rounded to x's
-  dtype (bf16: 2^-9 relative), which averages out over K. This is how tokamax's quantized ragged
-  dot does it on Hopper.
+- "w": the scales multiply the converted codes in registers (in x's dtype), and the offsets are
+  added there too, and every group accumulates into one wgmma accumulator, waited on once per step.
+  Each weight is rounded to x's dtype (bf16: 2^-9 relative), which averages out over K. This is how
+  tokamax's quantized ragged dot does it on Hopper. The default for weights with offsets (int4 and
+  Q4_1-like formats), where "acc" would need them in the wrapper.
 Every SMEM tile is tiled and swizzled by the bytes of one group's row (capped at 128), so slicing a
 group out of a tile is a whole number of swizzle tiles: Mosaic GPU slices tiled refs at tile
 granularity only. Groups of G > tile_k span several steps; each step then takes its one group's
 scale row (per-channel scales: G = K). K is split over CTAs where N / tile_n alone gives fewer than
 `target_ctas`; the split partial sums [splits, N, M8] f32 are added in the wrapper, as in flat_gemm.
 
-Offsets contribute Σ_g offsets[g, n] · Σ_{k∈g} x[m, k]: that is done in the jitted wrapper with XLA,
+Under "acc", offsets contribute Σ_g offsets[g, n] · Σ_{k∈g} x[m, k] in the jitted wrapper with XLA,
 xsum [M, K/G] · offsets[l] [K/G, N] (XLA slices offsets[l] out of the stack: K/G · N values, 1/G of
-the codes' count). Folding it into the kernel needs a per-group column sum of x in the accumulator's
-column layout; not worth a second code path for formats that mostly have none.
+the codes' count): folding that into an "acc" kernel would need a per-group column sum of x in the
+accumulator's column layout, while "w" adds the offsets to the weights for free.
 
 Implementations (`impl`): "mosaic" (the above; Hopper only; tested on the CPU through Mosaic GPU's
 interpreter) and "xla" (`quant_gemm_reference`: dequantize W[l] to f32, then one dot).
@@ -65,7 +66,15 @@ class QuantBlocks:
     k_splits: int | None = None
     target_ctas: int = 132  # SMs on an H200
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
-    scale_in: str = "acc"  # "acc": f32 scale of a per-group accumulator; "w": scale the codes in registers
+    # "acc": f32 scale of a per-group accumulator; "w": scale (and offset) the codes in registers;
+    # "auto": "w" for weights with offsets, "acc" otherwise
+    scale_in: str = "auto"
+
+    def resolved(self, has_offsets: bool) -> QuantBlocks:
+        """These blocks with "auto" replaced by the placement used for weights with or without offsets."""
+        if self.scale_in != "auto":
+            return self
+        return dataclasses.replace(self, scale_in="w" if has_offsets else "acc")
 
 
 def _bits(dtype) -> int:
@@ -115,8 +124,7 @@ def _kernel(
     x_gmem,  # [M8, K]
     codes_gmem,  # [L, N, K] int4 / int8
     scales_gmem,  # [L, K/G, N]
-    o_gmem,  # [splits, N, M8] f32
-    *,
+    *rest,  # (offsets_gmem [L, K/G, N],) o_gmem [splits, N, M8] f32; keyword-only parameters follow
     tile_n: int,
     tile_k: int,
     group: int,
@@ -125,6 +133,7 @@ def _kernel(
     scale_in: str,
     interpret: bool,
 ):
+    *offsets_gmem, o_gmem = rest  # offsets only under scale_in="w"
     m8 = x_gmem.shape[0]
     cdt = x_gmem.dtype
     layer = layer_gmem[0]
@@ -150,15 +159,18 @@ def _kernel(
         return x_smem.at[:, pl.ds(g * gw, gw)].T
 
     t0 = si * steps  # this CTA's first global k-step
+    # rows of the scales (offsets) tile: its gps groups, or the one group (G > tile_k) that step t lies in
+    group_rows = plgpu.BlockSpec((gps, tile_n), lambda k: ((t0 + k) * tile_k // (gps * group), ni))
     specs = [
         plgpu.BlockSpec((m8, tile_k), lambda k: (0, t0 + k), transforms=_transforms(gw, 16)),
         plgpu.BlockSpec((tile_n, tile_k), lambda k: (ni, t0 + k), transforms=_transforms(cw, bits)),
-        # rows of the scales tile: its gps groups, or the one group (G > tile_k) that step t lies in
-        plgpu.BlockSpec((gps, tile_n), lambda k: ((t0 + k) * tile_k // (gps * group), ni)),
-    ]
-    gmems = (x_gmem, codes_gmem.at[layer], scales_gmem.at[layer])  # views: layer l read in place
+        group_rows,
+    ] + [group_rows] * len(offsets_gmem)
+    # views: layer l read in place
+    gmems = (x_gmem, codes_gmem.at[layer], scales_gmem.at[layer], *(o.at[layer] for o in offsets_gmem))
 
     if scale_in == "acc":
+        assert not offsets_gmem, "offsets are added in the wrapper under scale_in='acc'"
 
         def step(_, x_smem, c_smem, s_smem, total):  # total [tile_n, M8] f32
             for g, w in groups(c_smem):
@@ -180,10 +192,13 @@ def _kernel(
     elif scale_in == "w":
 
         def acc_scope(acc):  # acc [tile_n, M8] f32
-            def step(_, x_smem, c_smem, s_smem):
+            def step(_, x_smem, c_smem, s_smem, *o_smem):
                 for g, w in groups(c_smem):  # w [tile_n, gw]
                     s = scale(s_smem, g).astype(cdt)  # [tile_n]
-                    _mma(acc, w * lax.broadcast_in_dim(s, w.shape, [0]), x_cols(x_smem, g), interpret)
+                    w = w * lax.broadcast_in_dim(s, w.shape, [0])
+                    if o_smem:
+                        w = w + lax.broadcast_in_dim(scale(o_smem[0], g).astype(cdt), w.shape, [0])
+                    _mma(acc, w, x_cols(x_smem, g), interpret)
                 plgpu.wgmma_wait(0)  # the stage's buffers and registers are free when the step returns
 
             plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*gmems)
@@ -230,8 +245,8 @@ def _check(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None):
         raise ValueError(f"offsets {offsets.shape} must have the scales' shape {scales.shape}")
     if cfg is None:
         return
-    if cfg.scale_in not in ("acc", "w"):
-        raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
+    if cfg.scale_in not in ("acc", "w", "auto"):
+        raise UntiledShape(f"scale_in must be 'acc', 'w' or 'auto', got {cfg.scale_in!r}")
     if x.dtype not in X_DTYPES:
         raise UntiledShape(f"the mosaic kernel takes bf16 or f16 x, got {x.dtype}: use impl='xla' (f32 throughout)")
     m8 = -(-m // 8) * 8
@@ -249,15 +264,19 @@ def _check(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None):
         )
 
 
-def _mosaic_call(layer, x, codes, scales, group: int, cfg: QuantBlocks, interpret: bool):
+def _mosaic_call(layer, x, codes, scales, offsets, group: int, cfg: QuantBlocks, interpret: bool):
+    """Partial sums [splits, N, M8] f32; `offsets` (or None) go into the kernel, which needs scale_in="w"."""
     m, k = x.shape  # x [M, K]
     n = codes.shape[1]  # codes [L, N, K]
     m8 = -(-m // 8) * 8
     bits = _bits(codes.dtype)
 
-    def stage_bytes(c: QuantBlocks) -> int:  # x tile + codes tile + scales tile
+    group_tiles = (scales,) if offsets is None else (scales, offsets)
+
+    def stage_bytes(c: QuantBlocks) -> int:  # x tile + codes tile + scales (and offsets) tiles
         gps = max(1, c.tile_k // group)
-        return c.tile_k * (m8 * x.dtype.itemsize + c.tile_n * bits // 8) + gps * c.tile_n * scales.dtype.itemsize
+        rows = sum(gps * c.tile_n * a.dtype.itemsize for a in group_tiles)
+        return c.tile_k * (m8 * x.dtype.itemsize + c.tile_n * bits // 8) + rows
 
     # Large M: halve tile_k (while the halves still tile the groups) until two stages fit.
     while 2 * stage_bytes(cfg) > cfg.smem_bytes and _tile_k_ok(cfg.tile_k // 2, group, bits):
@@ -286,7 +305,7 @@ def _mosaic_call(layer, x, codes, scales, group: int, cfg: QuantBlocks, interpre
         grid=(n // cfg.tile_n, splits),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-    )(layer.reshape(1), jnp.pad(x, ((0, m8 - m), (0, 0))), codes, scales)
+    )(layer.reshape(1), jnp.pad(x, ((0, m8 - m), (0, 0))), codes, *group_tiles)
 
 
 def _stacked(codes, scales, offsets, layer):
@@ -341,10 +360,12 @@ def quant_gemm(
     if impl != "mosaic":
         raise ValueError(f"unknown impl {impl!r}: 'mosaic' or 'xla'")
     _check(x, codes, scales, offsets, group, block_sizes)
+    cfg = block_sizes.resolved(offsets is not None)
+    in_kernel = offsets if cfg.scale_in == "w" else None
     m = x.shape[0]
-    y = _mosaic_call(layer, x, codes, scales, group, block_sizes, interpret)  # [splits, N, M8]
+    y = _mosaic_call(layer, x, codes, scales, in_kernel, group, cfg, interpret)  # [splits, N, M8]
     y = y.sum(axis=0)[:, :m].T  # [M, N]
-    if offsets is not None:
+    if offsets is not None and in_kernel is None:
         y = y + _offset_term(x, offsets, layer, group)
     return y.astype(out_dtype)
 

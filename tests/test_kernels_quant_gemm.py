@@ -27,7 +27,8 @@ ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_
 # (f32: ~2^-24·√K, far below that).
 RTOL = {jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}
 ATOL = {jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}
-# scale_in="w" rounds every scaled weight to x's dtype (bf16: 2^-9 relative, twice), an error of
+# scale_in="w" rounds every scaled weight to x's dtype (bf16: 2^-9 relative, twice; with offsets,
+# in the kernel under "w", three times over terms whose sum has σ √2·σ(y)), an error of at most
 # ~2^-8·σ(y) per output that averages over K; 6σ of it.
 ATOL_W = {jnp.bfloat16: 6 * 2.0**-8, jnp.float16: 6 * 2.0**-11}
 
@@ -62,6 +63,7 @@ CASES = {
     "int8_perchannel_m1_w_offsets": Case(1, "int8", 0, scale_in="w", offsets=True),
     "int8_g32_m5_w_f16scales": Case(5, "int8", 32, scales="float16", scale_in="w"),
     "int8_g128_m5_f16x_auto_splits": Case(5, "int8", 128, x="float16", k_splits=None),
+    "int4_g128_m1_auto_offsets_split2": Case(1, "int4", 128, offsets=True, scale_in="auto", k_splits=2),
 }
 BLOCKS = qg.QuantBlocks(tile_n=64, tile_k=128, max_concurrent_steps=2)  # 4 k-steps at K = 512
 LAYERS = 3
@@ -109,7 +111,7 @@ class TestQuantGemm:
         cfg = dataclasses.replace(BLOCKS, k_splits=case.k_splits, scale_in=case.scale_in)
         out = qg.quant_gemm(x, codes, scales, offsets, layer, group=case.g, block_sizes=cfg, interpret=self.INTERPRET)
         ref = qg.quant_gemm_reference(x, codes, scales, offsets, layer, group=case.g)
-        _close(out, ref, jnp.dtype(case.x).type, case.scale_in)
+        _close(out, ref, jnp.dtype(case.x).type, cfg.resolved(offsets is not None).scale_in)
 
     def test_loop_over_layers_reads_each_layer(self):
         """A fori_loop with a traced layer index, each layer's output feeding the next ([L, K, K] codes)."""
@@ -198,7 +200,7 @@ BAD = {  # name: (change to a valid call, message naming the numbers)
     "scales_int": (dict(scales=jnp.int32), r"f16, bf16 or f32, got int32"),
     "x_f32_mosaic": (dict(x=jnp.float32), r"bf16 or f16 x, got float32.*impl='xla'"),
     "scales_wrong_shape": (dict(scale_groups=2), r"scales \[L, K/G, N\]=\(1, 2, 128\)"),
-    "unknown_scale_in": (dict(scale_in="x"), r"scale_in must be 'acc' or 'w', got 'x'"),
+    "unknown_scale_in": (dict(scale_in="x"), r"scale_in must be 'acc', 'w' or 'auto', got 'x'"),
 }
 
 

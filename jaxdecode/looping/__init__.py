@@ -68,7 +68,7 @@ and `SplitSum`), `pack` (`Packed`, `PackLayout`, lazy rows), `find` (structural 
 `Analysis`), `report` (`LoopReport`). docs/looping.md is the design page.
 """
 
-from jaxdecode.looping.inplace import SplitSum, StackedCall, StackedDot, StackedRef, takes_split_sums
+from jaxdecode.looping.inplace import SplitSum, StackedCall, StackedDot, StackedRef, outside_runs, takes_split_sums
 from jaxdecode.looping.pack import Packed, PackLayout
 from jaxdecode.looping.plan import INDEX_MODES, LoopPlan, kernel_loop, layer
 from jaxdecode.looping.report import InputReport, LoopReport, RunReport, SkipReport
@@ -89,4 +89,5 @@ __all__ = [
     "kernel_loop",
     "layer",
     "takes_split_sums",
+    "outside_runs",
 ]

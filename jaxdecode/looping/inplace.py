@@ -100,6 +100,17 @@ def _takes_split_sums(hook) -> bool:
     return getattr(hook, "takes_split_sums", False) or getattr(getattr(hook, "func", None), "takes_split_sums", False)
 
 
+def outside_runs(hook: StackedCall) -> StackedCall:
+    """Marks a hook that is also offered the calls outside the looped runs, with plain arrays (the
+    output projection after the layers, say); it returns None for those it leaves as written."""
+    hook.outside_runs = True
+    return hook
+
+
+def takes_outside_runs(hook) -> bool:
+    return getattr(hook, "outside_runs", False) or getattr(getattr(hook, "func", None), "outside_runs", False)
+
+
 def plain_contraction(eqn: jcore.JaxprEqn) -> bool:
     """`eqn` is `dot_general` of lhs [..., K] with rhs [K, N]: the shape of `x @ W`."""
     if eqn.primitive.name != "dot_general":

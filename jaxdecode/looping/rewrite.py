@@ -17,8 +17,15 @@ from jax import lax
 from jax._src import source_info_util  # private: public jax cannot set an equation's name stack
 from jax.extend import core as jcore
 
-from jaxdecode.looping.find import Analysis, Run
-from jaxdecode.looping.inplace import RefEvaluator, StackedCall, StackedDot, StackedRef, output_aliases
+from jaxdecode.looping.find import Analysis, Run, callee_name, callee_of, side_effects
+from jaxdecode.looping.inplace import (
+    RefEvaluator,
+    StackedCall,
+    StackedDot,
+    StackedRef,
+    output_aliases,
+    takes_outside_runs,
+)
 from jaxdecode.looping.pack import LazyRow, as_stack, materialize
 
 # --- binding an equation: the private name-stack API and the bind-params convention. -----------
@@ -70,7 +77,8 @@ class Interpreter:
             if isinstance(item, Run):
                 env.update(self._run(item, read))
             else:
-                outs = self._bind_eqn(item, [materialize(read(a)) for a in item.invars])
+                args = [materialize(read(a)) for a in item.invars]
+                outs = self._outside_hook(item, args) or self._bind_eqn(item, args)
                 env.update(zip(item.outvars, outs))
         return [read(a) for a in jaxpr.outvars]
 
@@ -88,6 +96,14 @@ class Interpreter:
             with source_info_util.reset_name_stack():
                 self._transformed[id(jaxpr)] = jax.make_jaxpr(fun)(*specs)
         return self._transformed[id(jaxpr)]
+
+    def _outside_hook(self, eqn: jcore.JaxprEqn, args: list[Any]) -> list[Any] | None:
+        """The outputs of a hook marked `outside_runs` for a call outside every run, or None."""
+        hook = (self.stacked_calls or {}).get(callee_name(eqn)) if callee_of(eqn) is not None else None
+        if hook is None or not takes_outside_runs(hook) or side_effects(eqn):
+            return None
+        with _eqn_context(eqn):
+            return hook(*args)
 
     def _bind_eqn(self, eqn: jcore.JaxprEqn, args: list[Any]) -> list[Any]:
         params = self.params(eqn.params)
