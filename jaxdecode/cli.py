@@ -78,7 +78,7 @@ def _add_model(p: argparse.ArgumentParser):
         "--tp",
         type=_POSITIVE,
         default=1,
-        help="tensor parallelism: split heads, FFN and vocab over this many devices (default 1); "
+        help="tensor parallelism: split heads, FFN and vocab over this many devices (default %(default)s); "
         "it must divide the head counts (SmolLM2-135M: 3, not 2)",
     )
     p.add_argument(
@@ -90,37 +90,72 @@ def _add_model(p: argparse.ArgumentParser):
     )
 
 
-def _add_sampling(p: argparse.ArgumentParser):
-    p.add_argument("--max-new-tokens", type=_POSITIVE, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 turns it off")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 turns it off")
+def _add_sampling(p: argparse.ArgumentParser, max_new_tokens: int):
+    p.add_argument(
+        "--max-new-tokens",
+        metavar="N",
+        type=_POSITIVE,
+        default=max_new_tokens,
+        help="tokens to generate (default %(default)s)",
+    )
+    p.add_argument("--temperature", metavar="T", type=float, default=0.0, help="0 is greedy (default %(default)s)")
+    p.add_argument(
+        "--top-k",
+        metavar="K",
+        type=int,
+        default=0,
+        help="keep the k most likely tokens; 0 turns it off (default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p",
+        metavar="P",
+        type=float,
+        default=1.0,
+        help="nucleus sampling mass in (0, 1]; 1 turns it off (default %(default)s)",
+    )
     p.add_argument(
         "--seed",
+        metavar="S",
         type=_int_in(0, SEED_LIMIT - 1, " (JAX's PRNG takes 32-bit seeds)"),
         default=0,
-        help=f"PRNG seed for sampling, 0 to {SEED_LIMIT - 1}",
+        help=f"PRNG seed for sampling, 0 to {SEED_LIMIT - 1} (default %(default)s)",
     )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxdecode")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxdecode", description="A JAX decode engine with kernel looping.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser, help="one of these; COMMAND --help tells more"
+    )
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed")
     gen.add_argument("prompt", help="the prompt text")
     _add_model(gen)
-    _add_sampling(gen)
+    _add_sampling(gen, max_new_tokens=64)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument(
+        "--no-echo",
+        action="store_true",
+        help="print only the continuation (the prompt is echoed first unless --chat or --json)",
+    )
     gen.add_argument(
         "--json", action="store_true", help="end with one JSON line: text, token_ids, prefill_ms, decode_tok_s"
     )
 
-    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template (/help inside)")
     _add_model(chat)
-    _add_sampling(chat)
-    chat.set_defaults(max_new_tokens=256)
-    chat.add_argument("--system", default=None, help="an optional system message")
+    _add_sampling(chat, max_new_tokens=256)
+    chat.add_argument("--system", default=None, help="a system message (default: none; /system TEXT sets one later)")
 
     bench = sub.add_parser(
         "bench",
@@ -128,14 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
         "against peers (HF transformers, plain JAX) over a suite of configs",
     )
     _add_model(bench)
-    bench.add_argument("--batch", type=_POSITIVE, default=None, help="batch (default 1)")
+    bench.add_argument("--batch", type=_POSITIVE, default=None, help="sequences decoded together (default 1)")
     bench.add_argument(
         "--prompt-len",
         type=_POSITIVE,
         default=None,
         help="prompt tokens (default 32; in suite mode 16, prefilled after the context)",
     )
-    bench.add_argument("--max-new-tokens", type=_POSITIVE, default=128)
+    bench.add_argument(
+        "--max-new-tokens", type=_POSITIVE, default=128, help="tokens generated per timed run (default %(default)s)"
+    )
     bench.add_argument("--compare-unrolled", action="store_true", help="also time the unrolled layers")
     suite = bench.add_argument_group("suite mode (any of these flags): ours vs peers, one JSON line per row")
     suite.add_argument(
@@ -144,8 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="gpu: llama-3.1-8b and qwen2.5-7b, random weights, batch 1,8,32, context 1k,8k",
     )
-    suite.add_argument("--models", default=None, help="comma-separated presets (overrides the suite's)")
-    suite.add_argument("--batches", default=None, help="comma-separated batch sizes, e.g. 1,8,32")
+    suite.add_argument("--models", default=None, help="comma-separated presets (default: the suite's, else --model)")
+    suite.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes, e.g. 1,8,32 (default: the suite's, else --batch)"
+    )
     suite.add_argument(
         "--contexts", default=None, help="comma-separated tokens already in the cache, e.g. 1k,8k (default 1024)"
     )
@@ -155,16 +194,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated from unrolled,scan,hf_eager,hf_static, or none (default: all); "
         "NAME@BxC[+BxC] runs a peer at those (batch, context)s only, e.g. hf_static@1x1k",
     )
-    suite.add_argument("--steps", type=_POSITIVE, default=64, help="decode steps timed per row (default 64)")
-    suite.add_argument("--seed", type=_int_in(0, SEED_LIMIT - 1, " (JAX's PRNG takes 32-bit seeds)"), default=0)
+    suite.add_argument("--steps", type=_POSITIVE, default=64, help="decode steps timed per row (default %(default)s)")
+    suite.add_argument(
+        "--seed",
+        type=_int_in(0, SEED_LIMIT - 1, " (JAX's PRNG takes 32-bit seeds)"),
+        default=0,
+        help="seed of the random weights and prompts (default %(default)s)",
+    )
     suite.add_argument(
         "--budget-s",
         type=float,
         default=None,
-        help="skip rows whose estimated time no longer fits in this many seconds",
+        help="skip rows whose estimated time no longer fits in this many seconds (default: no budget)",
     )
-    suite.add_argument("--ceiling-gib", type=float, default=None, help="GiB summed to measure the read ceiling")
-    suite.add_argument("--out", default=None, help="directory for bench.jsonl and bench.png")
+    suite.add_argument(
+        "--ceiling-gib",
+        type=float,
+        default=None,
+        help="GiB summed to measure the read ceiling (default 4 on a GPU, 0.25 on a CPU)",
+    )
+    suite.add_argument("--out", default=None, help="directory for bench.jsonl and bench.png (default: no files)")
     suite.add_argument(
         "--dry-run",
         nargs="?",
@@ -175,8 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     report = sub.add_parser("loop-report", help="explain what the kernel-looping pass does to a model's decode step")
-    report.add_argument("--model", default=DEFAULT_MODEL, help="a preset name (random weights suffice)")
-    report.add_argument("--json", action="store_true")
+    report.add_argument(
+        "--model", default=DEFAULT_MODEL, help="a preset name; random weights suffice (default %(default)s)"
+    )
+    report.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     from rdu.cli import add_parser as add_rdu_parser  # the CLI is the one place where the packages meet
 
@@ -189,7 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            # Bare `jaxdecode`: the full help (the commands are what a newcomer needs), exit code 2 as for any
+            # missing argument, so that a script running `jaxdecode $CMD` with an empty $CMD fails.
+            parser.print_help(sys.stderr)
+            return 2
         if getattr(args, "tp", 1) != 1:
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, before JAX starts NCCL
         if getattr(args, "compile_cache", None):
@@ -202,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdecode: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(file=sys.stderr)  # the shell's prompt on a line of its own
         return 130
 
 
@@ -263,6 +321,8 @@ def cmd_generate(args) -> int:
     stream = tok.stream()
     new_ids: list[int] = []
     out = sys.stderr if args.json else sys.stdout
+    # a continuation reads as one text after its prompt; a chat reply and --json's stream stand alone
+    echo = not (args.chat or args.json or args.no_echo)
     for chunk in engine.generate_stream(
         [ids],
         max_new_tokens=args.max_new_tokens,
@@ -271,6 +331,9 @@ def cmd_generate(args) -> int:
         eos_ids=tok.eos_token_ids,
         timings=timings,
     ):
+        if echo:  # with the first token: a prompt the engine refuses is not echoed
+            print(args.prompt, end="", flush=True, file=out)
+            echo = False
         for t in chunk[0]:
             if t < 0:
                 continue
@@ -296,34 +359,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    from jaxdecode.repl import ChatSession
+
     sampling = _sampling(args)
     system = _utf8(args.system, "--system") if args.system else None
     engine, tok = _engine(args, need_tokenizer=True)
-    messages = [{"role": "system", "content": system}] if system else []
-    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
-    while True:
-        try:
-            user = _utf8(input("> "), "the input")
-        except EOFError:
-            return 0
-        except UnicodeDecodeError as e:
-            raise CliError(
-                f"the input is not valid UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})"
-            ) from None
-        if not user.strip():
-            return 0
-        messages.append({"role": "user", "content": user})
-        ids = tok.encode_chat(messages)
-        stream, new_ids = tok.stream(), []
-        for chunk in engine.generate_stream(
-            [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, eos_ids=tok.eos_token_ids
-        ):
-            for t in chunk[0]:
-                if t >= 0 and int(t) not in tok.eos_token_ids:
-                    new_ids.append(int(t))
-                    print(stream.push(int(t)), end="", flush=True)
-        print(stream.flush())
-        messages.append({"role": "assistant", "content": tok.decode(new_ids)})
+    session = ChatSession(
+        engine, tok, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, system=system
+    )
+    return session.run()
 
 
 def cmd_bench(args) -> int:

@@ -303,12 +303,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help=f"JSON table to write (ship it as kernels/tables/<gpu>.json, or point ${dispatch.TABLE_ENV} at it)",
     )
-    p.add_argument("--ms", default=",".join(map(str, M_VALUES)), help="M values, comma-separated")
-    p.add_argument("--forms", default="plain,looped", help="plain and/or looped")
-    p.add_argument("--layers", type=int, default=16, help="layers in the looped form")
-    p.add_argument("--reps", type=int, default=16, help="calls per timed jit (plain form)")
-    p.add_argument("--runs", type=int, default=5, help="timed runs; the median is kept")
-    p.add_argument("--margin", type=float, default=MARGIN, help="relative tie band")
+    p.add_argument("--ms", default=",".join(map(str, M_VALUES)), help="M values, comma-separated (default %(default)s)")
+    p.add_argument("--forms", default="plain,looped", help="plain and/or looped (default %(default)s)")
+    p.add_argument("--layers", type=int, default=16, help="layers in the looped form (default %(default)s)")
+    p.add_argument("--reps", type=int, default=16, help="calls per timed jit, plain form (default %(default)s)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs; the median is kept (default %(default)s)")
+    p.add_argument("--margin", type=float, default=MARGIN, help="relative tie band (default %(default)s)")
     p.add_argument("--no-attention", action="store_true", help="skip the attention entry")
     p.add_argument(
         "--smoke",

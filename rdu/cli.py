@@ -18,34 +18,40 @@ from rdu.hardware import CONSTANTS, SN40L_HBM_CHOICES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from jaxdecode.config import PRESETS
+
     p = subparsers.add_parser("rdu", help="model decode on SN40L sockets and a GPU from the traced graph")
-    p.add_argument("--model", default="llama-3.1-8b", help="preset name")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=4096, help="cached tokens read per step")
-    p.add_argument("--sockets", default="1,2,4,8,16", help="comma-separated socket counts (1..16)")
+    p.add_argument(
+        "--model", default="llama-3.1-8b", help=f"preset name, one of {', '.join(PRESETS)} (default %(default)s)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default %(default)s)")
+    p.add_argument("--context", type=int, default=4096, help="cached tokens read per step (default %(default)s)")
+    p.add_argument("--sockets", default="1,2,4,8,16", help="comma-separated socket counts, 1..16 (default %(default)s)")
     p.add_argument(
         "--hbm-tb-s",
         type=float,
         default=1.8,
         choices=sorted(SN40L_HBM_CHOICES),
-        help="SN40L HBM bandwidth per socket (published: 1.6, 1.8, 2.0)",
+        help="SN40L HBM bandwidth per socket in TB/s (published: 1.6, 1.8, 2.0; default %(default)s)",
     )
-    p.add_argument("--gpu", default="h200", choices=("h100", "h200"))
+    p.add_argument(
+        "--gpu", default="h200", choices=("h100", "h200"), help="the GPU modeled beside the SN40L (default %(default)s)"
+    )
     p.add_argument(
         "--quantize",
         choices=("int8", "int4"),
         default=None,
-        help="weights quantized as `jaxdecode --quantize` stores them",
+        help="weights quantized as `jaxdecode --quantize` stores them (default: dense)",
     )
-    p.add_argument("--gpus", type=int, default=1, help="GPUs of one node, tensor parallel (1..8)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of one node, tensor parallel, 1..8 (default %(default)s)")
     p.add_argument(
         "--constants",
         default="published",
         choices=CONSTANTS,
-        help="free constants: published/assumed (rdu/hardware.py) or fitted (rdu/fitted.json)",
+        help="free constants: published/assumed (rdu/hardware.py) or fitted (rdu/fitted.json) (default %(default)s)",
     )
     p.add_argument("--validate", action="store_true", help="print the validation table and exit")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="end with one JSON object holding the results")
     p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report (graph, mapping, timeline)")
     p.add_argument("--png", metavar="PATH", help="write a PNG of the timeline and tok/s vs sockets")
     return p

@@ -1,14 +1,17 @@
 """The command line: --json output, and exit code 2 with exactly one line on stderr for bad input."""
 
+import argparse
 import json
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 from helpers import SMOLLM_TOKENS, random_hf_state, write_gguf
 
-from jaxdecode.cli import main
-from jaxdecode.config import ModelConfig
+from jaxdecode.cli import build_parser, main
+from jaxdecode.config import PRESETS, ModelConfig
 from jaxdecode.weights.gguf import default_model_path
 
 
@@ -131,3 +134,70 @@ def test_compile_cache_that_is_a_file_exits_2(tmp_path, capsys):
     path.write_text("x")
     code, _, err = _run(["generate", "hi", "--compile-cache", str(path)], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "is a file" in err, err
+
+
+def _commands(parser) -> dict[str, argparse.ArgumentParser]:
+    """The top-level parser and every subcommand's, by their usage names."""
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {"jaxdecode": parser, **{f"jaxdecode {name}": p for name, p in sub.choices.items()}}
+
+
+def test_every_flag_has_help_that_states_its_true_default():
+    """Every action of every (sub)parser has help; where a flag has a default, its help states the value that
+    parsing without the flag gives (set_defaults included, as chat's --max-new-tokens)."""
+    parsers, checked = _commands(build_parser()), 0
+    for name, p in parsers.items():
+        required = []
+        for a in p._actions:
+            if not a.option_strings and not isinstance(a, argparse._SubParsersAction):
+                required.append("x")
+            elif a.required:
+                required += [a.option_strings[0], "x"]
+        parsed = vars(p.parse_args(required)) if name != "jaxdecode" else {}
+        for a in p._actions:
+            assert a.help and a.help != argparse.SUPPRESS, f"{name} {a.option_strings or a.dest}: no help"
+            text = a.help % {**vars(a), "prog": p.prog}
+            default = parsed.get(a.dest)
+            if a.option_strings and not a.required and default not in (None, False, argparse.SUPPRESS):
+                assert str(default) in text, f"{name} {a.option_strings[0]}: help {text!r} misses {default!r}"
+            checked += 1
+    assert checked > 60  # the walk reached every subcommand's flags
+    chat_help = " ".join(parsers["jaxdecode chat"].format_help().split())
+    assert "--max-new-tokens N tokens to generate (default 256)" in chat_help
+    [model] = [a for a in parsers["jaxdecode rdu"]._actions if a.dest == "model"]
+    assert all(name in model.help for name in PRESETS)
+
+
+def test_bare_command_prints_the_help_and_exits_2(capsys):
+    code, out, err = _run([], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("usage: jaxdecode")
+    assert all(f"    {c}" in err for c in ("generate", "chat", "bench", "loop-report", "rdu", "tune"))
+
+
+def test_version_is_the_project_version(capsys):
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"jaxdecode {pyproject['project']['version']}\n"
+
+
+def test_generate_echoes_the_prompt_unless_no_echo_or_json(tiny_gguf, capsys):
+    """The echoed output is the prompt, then the continuation that --json reports (decoded there at once)."""
+    argv = ["generate", "ab ab", "--model", str(tiny_gguf), "--max-new-tokens", "6"]
+    code, out_json, _ = _run([*argv, "--json"], capsys)
+    text = json.loads(out_json.strip().splitlines()[-1])["text"]
+    assert code == 0 and text
+    assert _run(argv, capsys)[1] == "ab ab" + text + "\n"
+    assert _run([*argv, "--no-echo"], capsys)[1] == text + "\n"
+
+
+def test_bench_that_measures_nothing_exits_2(capsys):
+    """A suite whose every row is refused (the 405B preset fits no single device's memory) fails."""
+    code, _, err = _run(["bench", "--models", "llama-3.1-405b", "--peers", "none", "--steps", "2"], capsys)
+    assert code == 2
+    assert "llama-3.1-405b does not fit" in err
+    assert err.strip().splitlines()[-1] == (
+        "jaxdecode: error: bench measured nothing: 1 refused, failed or skipped (the lines above say why)"
+    )
