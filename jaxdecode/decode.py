@@ -25,7 +25,9 @@ from jaxdecode.cache import KVCache
 from jaxdecode.looped_model import LoopedForward, default_loop_mode
 from jaxdecode.model import Hook, Transformer
 from jaxdecode.sampling import (
+    NON_FINITE,
     REQUEST_FIELDS,
+    SEED_LIMIT,
     SamplingParams,
     SamplingPlan,
     SamplingRows,
@@ -35,6 +37,7 @@ from jaxdecode.sampling import (
     sample_rows,
 )
 from jaxdecode.tp import TPForward
+from jaxdecode.weights.checks import WeightsError
 
 Array = jax.Array
 
@@ -239,7 +242,7 @@ class Engine:
         first, logprobs = sample_rows(last, keys, lengths - 1, rows, sampling, counts)  # [B]
         if counts is not None:
             counts = counts.add(first, jnp.ones((b,), bool))
-        done = jnp.isin(first, done_ids)
+        done = (first == NON_FINITE) | jnp.isin(first, done_ids)  # a refused row ends; the host raises
         return DecodeState(cache, first, lengths.astype(jnp.int32), done, keys, rows, counts), logprobs
 
     def _chunk_fn(
@@ -259,7 +262,7 @@ class Engine:
             nxt, logprobs = sample_rows(logits[:, 0], keys, state.positions, rows, plan, state.counts)  # [B]
             counts = state.counts.add(nxt, ~state.done) if plan.penalties else state.counts
             nxt = jnp.where(state.done, pad_id, nxt)
-            done = state.done | jnp.isin(nxt, done_ids)
+            done = state.done | (nxt == NON_FINITE) | jnp.isin(nxt, done_ids)
             new = DecodeState(cache, nxt, state.positions + 1, done, state.key, state.rows, counts)
             return new, (nxt, logprobs)
 
@@ -289,7 +292,12 @@ class Engine:
         draw from `seed` and their index. The first chunk holds the one token sampled from the prefill
         logits. If `timings` is a dict, it receives compile_s (ahead-of-time compilation, 0 when cached),
         prefill_s, decode_s and decode_steps; the last three exclude compilation.
+
+        Logits that are not all finite (finite weights whose forward overflows) raise a `WeightsError` when
+        their chunk reaches the host: no token is sampled from them.
         """
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**32) (JAX's PRNG takes 32-bit seeds), got {seed!r}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
         if max_new_tokens < 1:
@@ -328,6 +336,7 @@ class Engine:
         state, logprobs = prefill(*args)
         first = Chunk(np.asarray(state.tokens)[:, None], _on_host(logprobs, lambda a: a[:, None]))
         timings["prefill_s"] = time.perf_counter() - start
+        self._refuse_non_finite(first.tokens, 0)
         yield first
         done = np.asarray(state.done)
         pad = jnp.int32(-1)
@@ -343,6 +352,7 @@ class Engine:
             state, new, *logprobs = step_chunk(self.params, state, done_ids, pad)
             keep = steps - decoded
             new = np.asarray(new)[:, :keep]
+            self._refuse_non_finite(new, 1 + decoded)
             decoded += new.shape[1]
             done = np.asarray(state.done)
             timings["decode_s"] = time.perf_counter() - start
@@ -377,6 +387,19 @@ class Engine:
             logprobs=logprobs,
             top_logprobs=top,
         )
+
+    def _refuse_non_finite(self, tokens: np.ndarray, first: int) -> None:
+        """WeightsError if tokens [B, n] (each sequence's new tokens from index `first`, 0 being the prefill's)
+        hold `NON_FINITE`; the message counts new tokens from 1."""
+        bad = tokens == NON_FINITE  # [B, n]
+        if bad.any():
+            step = int(np.argmax(bad.any(axis=0)))
+            row = int(np.argmax(bad[:, step]))
+            raise WeightsError(
+                f"the model's logits are not finite (NaN or inf) at new token {first + step + 1} of sequence {row}: "
+                f"its weights are finite but its forward overflows in {jnp.dtype(self.cache_dtype).name} "
+                "(weights too large for the arithmetic); no token was sampled from them"
+            )
 
     @staticmethod
     def _row_params(sampling: SamplingParams | Sequence[SamplingParams], batch: int) -> list[SamplingParams]:

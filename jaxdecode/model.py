@@ -262,16 +262,26 @@ def sdpa(q: Array, k_cache: Array, v_cache: Array, positions: Array) -> Array:
     A query at position p sees cache rows 0..p (positions [B, T]); rows past a sequence's length hold
     stale or padding values and are always in the future. One module-level jitted function, so the
     in-place looped decode (`jaxdecode.looping.inplace`) can hand it to a kernel that reads the stacked cache.
+
+    The softmax of the scaled scores is exp(scale * (x - max x)) over its sum, in f32: the max is subtracted
+    before the scale, so the argument is exactly 0 at the max and <= 0 elsewhere: there is no multiply-add
+    for XLA to contract (scale * x - max was one, rounded unlike the max's own product; half an ulp is 256
+    at scores near 4e9, far past exp's range, and every term underflowed to 0/0). The sum is therefore >= 1
+    for finite scores; a row with every score masked gives zeros; a score that overflowed to +inf gives
+    NaN, which the sampler refuses.
     """
     b, t, n, h = q.shape
     s, kv_heads = k_cache.shape[1], k_cache.shape[2]
     with jax.named_scope("sdpa"):
         q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
         scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_cache, preferred_element_type=jnp.float32)
-        scores = scores * (h**-0.5)
         visible = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
         scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)  # [B, K, G, T, S]
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)  # [B, K, G, T, S]
+        top = jnp.max(scores, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+        top = jnp.where(top == -jnp.inf, 0.0, top)  # a fully masked row: exp(-inf) terms, not -inf - -inf
+        e = jnp.exp((scores - top) * (h**-0.5))  # [B, K, G, T, S]
+        total = jnp.sum(e, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+        probs = (e / jnp.where(total > 0, total, 1.0)).astype(v_cache.dtype)  # [B, K, G, T, S]
         out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_cache, preferred_element_type=jnp.float32)
         return out.astype(q.dtype).reshape(b, t, n, h)  # [B, T, N, H]
 

@@ -8,6 +8,9 @@ share one batch and one compiled program.
 Per token, in HF's order (logits processors, then warpers): repetition penalty, presence and frequency
 penalties, temperature, top-k, top-p, min-p, then a draw (argmax for rows at temperature 0). Logprobs are
 those of the model's raw logits, before any of these (vLLM's default, `raw_logprobs`).
+
+A row whose raw logits are not all finite (NaN or ±inf: finite weights whose forward overflowed) samples no
+token: it gets `NON_FINITE`, which the engine's host loop refuses, rather than an argmax or a draw over NaN.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ Array = jax.Array
 
 # Request settings `jaxdecode.LLM` applies on the host; the Engine samples token by token and refuses them.
 REQUEST_FIELDS = ("max_new_tokens", "n", "stop", "ignore_eos")
+
+SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT): JAX's default PRNG keys take 32-bit seeds
+NON_FINITE = -2  # the token of a row whose raw logits hold NaN or inf (-1 is the engine's padding)
 
 
 def _check(name: str, value, ok: bool, want: str):
@@ -89,7 +95,7 @@ class SamplingParams:
             v = getattr(self, name)
             _check(name, v, _is_real(v) and -2 <= v <= 2, "in [-2, 2] (OpenAI's range)")
         s = self.seed
-        _check("seed", s, s is None or (_is_int(s) and 0 <= s < 2**32), "None or an integer in [0, 2**32)")
+        _check("seed", s, s is None or (_is_int(s) and 0 <= s < SEED_LIMIT), "None or an integer in [0, 2**32)")
         lp = self.logprobs
         _check("logprobs", lp, lp is None or (_is_int(lp) and lp >= 0), "None or an integer >= 0")
         m = self.max_new_tokens
@@ -291,8 +297,10 @@ def sample_rows(
     counts: TokenCounts | None = None,
 ) -> tuple[Array, TokenLogprobs | None]:
     """Next tokens [B] int32 from logits [B, V], each row with its own values, and their logprobs (None
-    unless the plan asks). keys [B] and positions [B] (the position of the logits' token) seed the draws."""
+    unless the plan asks). keys [B] and positions [B] (the position of the logits' token) seed the draws.
+    A row whose logits are not all finite gets `NON_FINITE`."""
     raw = logits.astype(jnp.float32)
+    finite = jnp.isfinite(raw).all(axis=-1)  # [B]: one reduction over V per row, beside the argmax
     x = apply_penalties(raw, counts, rows) if plan.penalties else raw
     tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B]
     if plan.random:
@@ -308,19 +316,21 @@ def sample_rows(
         drawn = jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)  # [B]
         tokens = jnp.where(rows.temperature > 0, drawn, tokens)
     lp = token_logprobs(raw, tokens, plan.logprobs) if plan.logprobs is not None else None
-    return tokens, lp
+    return jnp.where(finite, tokens, NON_FINITE), lp
 
 
 def sample(logits: Array, key: Array, params: SamplingParams) -> Array:
-    """Next tokens [B] int32 from logits [B, V] for a batch that shares `params`, one key for the batch.
-    Penalties read the token history, which only the engine's decode state carries (`sample_rows`)."""
+    """Next tokens [B] int32 from logits [B, V] for a batch that shares `params`, one key for the batch; a
+    row whose logits are not all finite gets `NON_FINITE`. Penalties read the token history, which only the
+    engine's decode state carries (`sample_rows`)."""
     if params.penalized:
         raise ValueError("penalties need the token history: sample with sample_rows and TokenCounts")
+    finite = jnp.isfinite(logits).all(axis=-1)  # [B]
     if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jnp.where(finite, jnp.argmax(logits, axis=-1).astype(jnp.int32), NON_FINITE)
     logits = logits.astype(jnp.float32) / params.temperature
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     if params.min_p > 0:
         logits = min_p_filter(logits, params.min_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return jnp.where(finite, jax.random.categorical(key, logits, axis=-1).astype(jnp.int32), NON_FINITE)

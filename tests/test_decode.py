@@ -10,6 +10,7 @@ from jaxdecode.config import PRESETS
 from jaxdecode.decode import Engine
 from jaxdecode.model import init_random
 from jaxdecode.sampling import SamplingParams
+from jaxdecode.weights import WeightsError
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["unrolled", "looped"])
@@ -93,6 +94,48 @@ def test_chunks_stream_in_order(engine):
 def test_bad_requests_are_refused(engine, prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, **kwargs)
+
+
+@pytest.mark.parametrize("seed", [2**70, 2**32, -1, 1.5, True])
+@pytest.mark.parametrize("method", ["generate", "generate_stream"])
+def test_seeds_outside_32_bits_are_refused(engine, method, seed):
+    """JAX's PRNG takes 32-bit seeds; a larger one raised OverflowError from deep inside jax.random."""
+    with pytest.raises(ValueError, match=rf"seed must be an integer in \[0, 2\*\*32\).*got {seed!r}$"):
+        next(iter(getattr(engine, method)([[1]], seed=seed)))
+
+
+class NonFiniteFrom(Engine):
+    """An engine whose logits are `value` at vocabulary entry 0 from position `start` on: a forward that
+    overflows partway through a generation."""
+
+    def __init__(self, start: int, value: float):
+        super().__init__(init_random(PRESETS["tiny-gqa"], seed=3), loop_layers=False)
+        self.start, self.value = start, value
+
+    def forward(self, params, tokens, positions, cache):
+        logits, cache = super().forward(params, tokens, positions, cache)  # [B, T, V]
+        return logits.at[..., 0].set(jnp.where(positions >= self.start, self.value, logits[..., 0])), cache
+
+
+@pytest.mark.parametrize(
+    "start, value, where",
+    [
+        (0, np.nan, "new token 1 of sequence 0"),  # the prefill's token
+        (5, np.inf, "new token 4 of sequence 1"),  # the second chunk's first step, a step before sequence 0's
+    ],
+)
+def test_non_finite_logits_are_refused_not_sampled(start, value, where):
+    """Prompts of 2 and 3 tokens: the logits read at position p give new token p - length + 2 (new token 1
+    is the prefill's, from position length - 1), so position 5 gives new token 5 of sequence 0 and new token
+    4 of sequence 1, both in the second chunk of two steps. Logits holding NaN or inf give no token: the host
+    raises for the earliest, at the chunk that holds it."""
+    engine = NonFiniteFrom(start, value)
+    stream = engine.generate_stream([[1, 2], [1, 2, 3]], max_new_tokens=8, chunk=2)
+    if start > 0:
+        assert next(stream).shape == (2, 1)  # the prefill's and the first chunk's tokens are finite
+        assert next(stream).shape == (2, 2)
+    with pytest.raises(WeightsError, match=f"logits are not finite .* at {where}: .* overflows in float32"):
+        next(stream)
 
 
 def test_compiles_once_per_shape(engine):

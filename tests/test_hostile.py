@@ -203,6 +203,16 @@ def test_quantized_gguf_with_nan_scale_exits_2_naming_it(tmp_path, capsys):
     one_line_error(code, err, "model.layers.0.mlp.gate_proj.weight scales holds 1 NaN")
 
 
+def test_finite_weights_whose_forward_overflows_exit_2(tmp_path, capsys):
+    """A norm weight of 3e38 is finite, so the load check passes it, but the forward overflows float32: the
+    sampler refuses the logits and the engine says so, instead of a token taken from NaN."""
+    state = random_hf_state(TINY)
+    state["model.norm.weight"][:] = 3e38
+    path = write_gguf_kv(tmp_path / "overflow.gguf", state=state)
+    code, _, err = run_cli(["generate", "ab", "--max-new-tokens", "4", "--model", path], capsys)
+    one_line_error(code, err, "logits are not finite (NaN or inf) at new token 1 of sequence 0", "overflows")
+
+
 def test_tokenizer_larger_than_the_embedding_exits_2(tmp_path, capsys):
     cfg = TINY.replace(vocab_size=len(SMOLLM_TOKENS) - 2)
     path = write_gguf_kv(tmp_path / "small-embedding.gguf", cfg)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.sampling import (
+    NON_FINITE,
     SamplingParams,
     SamplingPlan,
     SamplingRows,
@@ -146,6 +147,31 @@ def test_sample_rows_mixes_greedy_and_drawn_rows_each_with_its_own_filters():
     assert freq[3] == 0
     np.testing.assert_allclose(freq[:3], probs, atol=0.02)
     assert np.array_equal(draw(jnp.int32(7)), draw(jnp.int32(7)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.9, min_p=0.05),
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0, logprobs=2),
+    ],
+    ids=["greedy", "filtered", "penalized"],
+)
+def test_rows_with_non_finite_logits_get_no_token(params, bad):
+    """A row whose raw logits hold one NaN or infinity samples `NON_FINITE`, whatever the stages; the other
+    row samples as if alone."""
+    logits = LOGITS.at[0, 2].set(bad)
+    keys = jax.random.split(jax.random.key(0), 2)
+    counts = TokenCounts.of_prompts(jnp.asarray([[0], [3]], jnp.int32), jnp.asarray([1, 1], jnp.int32), 4)
+    plan, rows, positions = SamplingPlan.of([params] * 2), SamplingRows.of([params] * 2), jnp.asarray([5, 5])
+    tokens = np.asarray(sample_rows(logits, keys, positions, rows, plan, counts)[0])
+    alone = np.asarray(sample_rows(LOGITS, keys, positions, rows, plan, counts)[0])
+    assert tokens[0] == NON_FINITE and tokens[1] == alone[1]
+    if not params.penalized:
+        tokens = np.asarray(sample(logits, jax.random.key(1), params))
+        assert tokens[0] == NON_FINITE and 0 <= tokens[1] < 4
 
 
 def test_row_keys_use_a_rows_own_seed_wherever_it_sits():

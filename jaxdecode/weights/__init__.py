@@ -9,7 +9,7 @@ block formats.
 from jaxdecode.weights.checks import WeightsError, check_state_dict, expected_shapes
 from jaxdecode.weights.gguf import GGUFFile, default_model_path, gguf_config, gguf_state_dict, load_gguf, read_gguf
 from jaxdecode.weights.quant import FORMATS, BlockFormat, dequantize
-from jaxdecode.weights.safetensors import hf_config, load_hf_dir, read_safetensors
+from jaxdecode.weights.safetensors import HFCheckpoint, hf_config, load_hf_dir, read_hf_dir, read_safetensors
 
 __all__ = [
     "WeightsError",
@@ -24,6 +24,8 @@ __all__ = [
     "BlockFormat",
     "FORMATS",
     "dequantize",
+    "HFCheckpoint",
+    "read_hf_dir",
     "hf_config",
     "load_hf_dir",
     "read_safetensors",
