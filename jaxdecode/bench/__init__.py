@@ -7,6 +7,8 @@
   torch and transformers (the extra `jaxdecode[peers]`) and is imported only when a peer is asked for.
 - `report`: the line per row, the summary object and the plot.
 - `command`: the `jaxdecode bench` flags made into a plan, or the plain timing of one engine.
+- `startup`: seconds to the first visible output and the first token of the quick-start command, run on
+  pseudo-terminals (`python -m jaxdecode.bench.startup`).
 """
 
 from jaxdecode.bench.command import run_cli_bench

@@ -19,6 +19,7 @@ from jaxdecode.bench.suite import CEILING_GUESS, HF_PEERS, PEERS, SUITES, SuiteP
 from jaxdecode.cost import decode_cost, step_weight_bytes
 from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.loading import load_engine, load_model
+from jaxdecode.progress import phase
 
 
 @dataclass
@@ -58,10 +59,13 @@ def measure_decode(
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, engine.cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
     kwargs = dict(max_new_tokens=new_tokens, chunk=chunk)
+    variant = "looped" if engine.loop_layers else "unrolled"
     start = time.perf_counter()
-    engine.generate(prompts, **kwargs)
+    with phase(f"{model_name} {variant}: compiling, first run"):
+        engine.generate(prompts, **kwargs)
     first_call = time.perf_counter() - start
-    gen = engine.generate(prompts, **kwargs)
+    with phase(f"{model_name} {variant}: timed run of {new_tokens} tokens"):
+        gen = engine.generate(prompts, **kwargs)
     step_s = gen.decode_s / gen.decode_steps
     itemsize = np.dtype(engine.cache_dtype).itemsize
     read = step_weight_bytes(engine_model, batch) if engine_model is not None else None
@@ -70,7 +74,7 @@ def measure_decode(
     ).bytes
     return DecodeMeasurement(
         model=model_name,
-        variant="looped" if engine.loop_layers else "unrolled",
+        variant=variant,
         backend=jax.default_backend(),
         device=device_name(),
         batch=batch,
@@ -187,7 +191,8 @@ def run_plain(args) -> int:
     rows = []
     for loop in variants:
         if args.tp == 1:
-            engine = Engine(loaded.model, loop_layers=loop)
+            with phase(f"preparing the {'looped' if loop else 'unrolled'} engine"):
+                engine = Engine(loaded.model, loop_layers=loop)
         else:  # random presets are made directly on the devices, split
             engine = load_engine(args.model, args.tp, loop_layers=loop)[0]
         rows.append(

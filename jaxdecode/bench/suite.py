@@ -51,6 +51,7 @@ from jaxdecode.cost import decode_cost
 from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.memory import preflight
 from jaxdecode.model import init_random
+from jaxdecode.progress import phase
 
 PEERS = ("unrolled", "scan", "hf_eager", "hf_static")
 HF_PEERS = ("hf_eager", "hf_static")
@@ -234,7 +235,8 @@ def run_suite(plan: SuitePlan, *, out_dir: str | None = None, emit=print) -> dic
     backend = jax.default_backend()
     dtype = default_dtype()
     itemsize = jnp.dtype(dtype).itemsize
-    ceiling = read_ceiling_gb_s(plan.ceiling_gib or (4 if backend == "gpu" else 0.25))
+    with phase("measuring the read ceiling"):
+        ceiling = read_ceiling_gb_s(plan.ceiling_gib or (4 if backend == "gpu" else 0.25))
     print(f"read ceiling {ceiling:.1f} GB/s on {device_name()}", file=sys.stderr)
     print_estimates(plan, backend, ceiling)
     estimates = plan.estimates(backend, ceiling)
@@ -263,7 +265,8 @@ def run_suite(plan: SuitePlan, *, out_dir: str | None = None, emit=print) -> dic
             errors.append(f"{name}: {e}")
             print(errors[-1], file=sys.stderr)
             continue
-        model = init_random(cfg, seed=plan.seed, dtype=dtype, quantize=plan.quantize)
+        with phase(f"{name}: drawing random weights"):
+            model = init_random(cfg, seed=plan.seed, dtype=dtype, quantize=plan.quantize)
         rng = np.random.default_rng(plan.seed)
         prompts = {b: rng.integers(0, cfg.vocab_size, (b, plan.prompt_len)) for b in sorted(plan.batches)}
         ours: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
@@ -280,13 +283,15 @@ def run_suite(plan: SuitePlan, *, out_dir: str | None = None, emit=print) -> dic
                 start = time.perf_counter()
                 try:
                     if runner is None:
-                        if system in HF_PEERS:
-                            hf = hf or peers.build_hf(model)
-                            runner = peers.hf_runner(hf, compiled=system == "hf_static")
-                        else:
-                            engine = Engine(model, **ENGINES[system])
-                            runner = engine_runner(engine)
-                    timing, extra = runner(prompts[b], context=c, steps=plan.steps)
+                        with phase(f"{name} {system}: building"):
+                            if system in HF_PEERS:
+                                hf = hf or peers.build_hf(model)
+                                runner = peers.hf_runner(hf, compiled=system == "hf_static")
+                            else:
+                                engine = Engine(model, **ENGINES[system])
+                                runner = engine_runner(engine)
+                    with phase(f"{label}: compiling, then {plan.steps} timed steps (about {guess:.0f} s)"):
+                        timing, extra = runner(prompts[b], context=c, steps=plan.steps)
                 except Exception as e:  # one system failing must not lose the others
                     errors.append(f"{label}: {type(e).__name__}: {str(e)[-600:]}")
                     print(errors[-1], file=sys.stderr)

@@ -2,8 +2,9 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (name → dtype, shape,
 data_offsets; an optional "__metadata__"), then the raw data. We read the header ourselves and map
-the data with numpy: the `safetensors` numpy API cannot hold bfloat16, and a bounded reader of our
-own makes every malformed file a `WeightsError` (the `safetensors` package is the tests' reference).
+the data with numpy (bfloat16 through ml_dtypes) rather than depend on the `safetensors` package: the
+format is that simple, and our bounded reader makes every malformed file a `WeightsError` that names
+it (fuzzed in tests/test_fuzz_readers.py); the package, a test dependency, writes the tests' files.
 """
 
 from __future__ import annotations
