@@ -46,6 +46,7 @@ class _Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # a crash is reported by the parent in one line, never a traceback
+            process_group=0,  # the terminal's Ctrl-C (stopping a chat reply) must not kill the worker too
         )
 
     def kill(self) -> None:
@@ -93,6 +94,9 @@ def render(template: str, context: dict, limits: TemplateLimits = TemplateLimits
             answer = _worker.ask(request.encode("ascii") + b"\n", limits.seconds)
         except (BrokenPipeError, ValueError):
             answer = None
+        except BaseException:  # Ctrl-C mid-render: its answer would be read as the next render's
+            _worker.kill()
+            raise
     if answer is None:
         code = _worker.proc.returncode
         if code == -9:
