@@ -20,6 +20,7 @@ from jaxdecode.config import ModelConfig, get_preset
 from jaxdecode.cost import decode_cost, quantized_bytes
 from jaxdecode.decode import Engine
 from jaxdecode.looped_model import kernel_quant_dot
+from jaxdecode.looping import outside_runs
 from jaxdecode.memory import estimate
 from jaxdecode.model import Hook, init_random, quantize_weights
 from jaxdecode.quantized import QuantizedWeight, check_quantized, matmul, quant_dot, quantize
@@ -240,3 +241,26 @@ def test_random_quantized_init_makes_no_dense_projection():
     assert abs(w.std() * np.sqrt(cfg.dim) - 1) < 0.2  # normal / sqrt(fan_in), through 4-bit rounding
     np.testing.assert_array_equal(np.asarray(model.layers[0].input_layernorm.weight.get_value()), 1.0)
     assert len(Engine(model).generate([[1, 2, 3]], max_new_tokens=3).token_ids[0]) == 3
+
+
+def test_inplace_engine_hands_the_output_projection_to_the_kernel():
+    """Outside the looped layers, the quantized output projection (a tied table here, V = 128 tiles) is
+    offered to `kernel_quant_dot` too, with plain arrays (codes [V, D]); the logits match the unrolled
+    model's to a few bf16 ulps (each dot's f32 sum rounded to bf16 once, in a different order)."""
+    cfg = ModelConfig("tiny-tiled-head", 128, 128, 2, 2, 1, 256, max_seq_len=64, tie_embeddings=True)
+    model = quantize_weights(init_random(cfg, seed=9, dtype=jnp.bfloat16), "int4", group=32)
+    shapes = []
+
+    @outside_runs
+    def counted(x, codes, *rest):
+        out = kernel_quant_dot(x, codes, *rest, impl="mosaic", block_sizes=INTERPRET_BLOCKS, interpret=True)
+        shapes.append((getattr(codes, "ndim", None), out is not None))
+        return out
+
+    hooks = {h: None for h in Hook if h != Hook.QUANT_DOT} | {Hook.QUANT_DOT: counted}
+    engine = Engine(model, loop_mode="inplace", hooks=hooks, stacked_dot=lambda *a: None)
+    tokens = np.array([[3, 14, 15, 92, 65]])
+    got = engine.forward_logits(tokens)
+    want = Engine(model, loop_layers=False).forward_logits(tokens)
+    assert (2, True) in shapes  # the output projection, codes [V, D], went to the kernel
+    np.testing.assert_allclose(got, want, rtol=2**-6, atol=4 * 2**-8 * np.abs(want).max())
