@@ -338,6 +338,43 @@ DGX_ROW = GPURow(
     kernels_per_layer=10,
 )
 
+
+@dataclass(frozen=True)
+class ServingRow:
+    """A published batch-1 decode rate of a serving stack, Llama-3(.1)-8B on H100s (GPU mode "fixed")."""
+
+    what: str
+    tok_s: float
+    n_gpus: int
+    context: int  # cache length the decode steps read
+    allreduce_s: float  # the stack's all-reduce of one [1, 4096] bf16 row on n_gpus GPUs (unused on one)
+    split: str  # "calibrates" (sets rdu.targets.runtime_step_s) | "held out"
+    source: str
+    kernels_per_layer: int = 10  # DIAYN's TensorRT-LLM count, its two all-reduces included; assumed here
+
+
+SGL = (
+    "sgl-project/sglang issue #1008 (python3 -m sglang.bench_latency --model meta-llama/Meta-Llama-3-8B "
+    "--batch-size 1 --input 128 --output 8, CUDA graphs on, median decode step); the issue does not name "
+    "the GPU [U]: an H100 is the reading that fits, since 16 GB of weights in 7.37 ms needs 2.2 TB/s (more "
+    "than an A100 has)"
+)
+# One stack measured on 1 and 8 GPUs: the 1-GPU step calibrates the per-token cost the runtime spends
+# outside the kernels, the 8-GPU step is predicted from it (rdu.targets.runtime_step_s).
+SGLANG_ROWS = (
+    ServingRow("sglang, Llama-3-8B, 1 H100, bs1", 135.64, 1, 132, 0.0, "calibrates", SGL),
+    ServingRow(
+        "sglang, Llama-3-8B, 8 H100 TP8, bs1",
+        298.53,
+        8,
+        132,
+        9.66e-6,
+        "held out",
+        SGL + "; its all-reduce, vLLM's custom kernel on TP8: 9.3 us at 4 KB, 11.8 us at 32 KB "
+        "(sgl-project/sglang PR #2904), 9.66 us at 8 KB",
+    ),
+)
+
 KL_MODELS = (
     "qwen2.5-0.5b",
     "llama-3.2-1b",
@@ -377,6 +414,17 @@ CONFLICTS = {
             24.0,
             "the KL/DIAYN papers compute their 21% on it",
             ((24.0, "KL/DIAYN papers: 8 x 3.0 TB/s (papers.md §1.8, §4)"), (26.8, "H100 SXM datasheet: 8 x 3.35 TB/s")),
+        ),
+        Conflict(
+            "dgx_h100_allreduce_us",
+            "us, one [1, 4096] bf16 all-reduce over 8 H100s",
+            6.0,
+            "TensorRT-LLM runs its custom one-shot kernel for small all-reduces over NVLink; which one "
+            "DIAYN's run used is NOT FOUND",
+            (
+                (6.0, "sgl-project/sglang PR #2904: TensorRT-LLM's one-shot kernel, TP8, 5.7 us at 4 KB, 7.8 at 32 KB"),
+                (19.5, "ByteDance-Seed/Triton-distributed issue #57: NCCL (torch.distributed), 8 H100s, 19.2-20.7 us"),
+            ),
         ),
         Conflict(
             "dgx_h100_8b_tp8_tok_s",

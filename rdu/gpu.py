@@ -9,7 +9,11 @@ shards, two all-reduces per layer, an all-gather of the logits).
   on M = batch (`GPUSpec.matmul_efficiency`).
 - "eager": one kernel per computing op (`eager_kernel_count`), host dispatch per op.
 - "scan_copy": "xla" plus the copy XLA makes of every stacked layer weight before its matmul.
-- "fixed": a given number of kernels per layer (e.g. 10 for TensorRT-LLM per the DIAYN paper).
+- "fixed": a serving stack's kernels, a given number per layer (10 for TensorRT-LLM per the DIAYN
+  paper, its two all-reduces included); each kernel costs its measured fixed cost on Hopper
+  (`gemm_kernel_s` for the weight GEMMs, `small_kernel_s` for the rest) and its bytes stream at the
+  read ceiling. A per-token `step_s` adds what the serving runtime spends outside the kernels
+  (rdu.targets.runtime_step_s says where its value comes from).
 - "looped_inplace": our engine's decode step, kernel by kernel (below); embedding and LM head as "xla".
 
 Mode "looped_inplace". The default engine loops the layers in one `lax.scan` and reads everything in
@@ -97,7 +101,8 @@ class GPUKernelTerms:
     """What one kernel of a traced step costs per GPU, before the free constants are applied."""
 
     count: int  # GPU kernels launched per call
-    weight_bytes: float  # per GPU, read at the matmul efficiency
+    fixed_s: float  # mode "fixed": the kernels' own fixed costs (GEMMs and the rest; 0 in other modes)
+    weight_bytes: float  # per GPU, read at the matmul efficiency (mode "fixed": at the read ceiling)
     kv_bytes: float  # KV cache read per GPU, at the attention efficiency
     other_bytes: float  # KV write + activations, at the read ceiling
     copy_bytes: float  # bytes (read + written) of the scan's weight copies, at the copy bandwidth
@@ -119,11 +124,28 @@ def gpu_kernel_terms(
     """Tensor parallelism over `n_gpus` (Megatron): every weight (projections, MLP, the vocab-sharded LM
     head) is split n ways, the KV cache over min(n, kv_heads) shards (heads are replicated past that),
     activations are whole on every GPU; each layer all-reduces [B, D] twice, the classifier all-gathers
-    the [B, V] logits."""
-    if mode == "fixed" and k.is_layer:
-        count = kernels_per_layer or 10
-    elif k.role == "sampling":
+    the [B, V] logits.
+
+    Mode "fixed": a layer runs `kernels_per_layer` kernels (default 10) counted on a tensor-parallel
+    run, its `ALLREDUCES_PER_LAYER` all-reduce kernels included (charged as communication, and absent on
+    one GPU); of the rest, the weight GEMMs are the traced layer's projections grouped by shared input
+    (q, k, v one kernel, gate and up one: `inplace_kernel_counts`). The other kernels fuse as XLA's."""
+    fixed_s = 0.0
+    if k.role == "sampling":
         count = 1
+    elif mode == "fixed":
+        gemms = sum(1 for n in k.nodes if n.kind == "matmul")
+        if k.is_layer:
+            gemms = gemms if k.graph is None else inplace_kernel_counts(k.graph)[0]
+            count = (kernels_per_layer or 10) - ALLREDUCES_PER_LAYER
+            if count < gemms:
+                raise ValueError(
+                    f"{kernels_per_layer} kernels per layer leave {count} besides the {ALLREDUCES_PER_LAYER} "
+                    f"all-reduces, fewer than the layer's {gemms} weight GEMMs"
+                )
+        else:
+            count = xla_kernel_count(k.nodes)
+        fixed_s = gemms * gpu.gemm_kernel_s + (count - gemms) * gpu.small_kernel_s
     else:
         count = eager_kernel_count(k.nodes) if mode == "eager" else xla_kernel_count(k.nodes)
     kv_shards = min(n_gpus, kv_heads)
@@ -136,6 +158,7 @@ def gpu_kernel_terms(
         comm = 0.0
     return GPUKernelTerms(
         count,
+        fixed_s,
         w,
         k.cache_read_bytes / kv_shards,
         k.cache_write_bytes / kv_shards + k.other_bytes,
@@ -281,6 +304,7 @@ def simulate_gpu(
     logits_bytes: int = 0,
     kernels_per_layer: int | None = None,
     flops: int = 0,
+    step_s: float = 0.0,
 ) -> Estimate:
     """Per-token decode time on `n_gpus` GPUs (tensor parallel) for the kernels of a traced step.
 
@@ -289,14 +313,16 @@ def simulate_gpu(
     the attention efficiency, and compute is FLOPs / achieved rate (it binds past M ~ 200).
     mode: "xla" (XLA-style fusion, one dispatch per token), "eager" (one kernel per op, host dispatch
     per op), "scan_copy" ("xla" plus the copy XLA makes of every stacked layer weight before its matmul:
-    one extra read and write of every weight), "fixed" (`kernels_per_layer` kernels per layer, e.g.
-    10 for TensorRT-LLM per the DIAYN paper), "looped_inplace" (our engine: decoder layers as
-    this module's docstring says, embedding and LM head as "xla").
+    one extra read and write of every weight), "fixed" (a serving stack's `kernels_per_layer` kernels
+    per layer, e.g. 10 for TensorRT-LLM per the DIAYN paper: each costs its fixed cost, `gpu_kernel_terms`,
+    and the weights stream at the read ceiling), "looped_inplace" (our engine: decoder layers as this
+    module's docstring says, embedding and LM head as "xla"). `step_s`: a per-token cost outside the
+    kernels (a serving runtime's), added once.
     """
     if mode not in GPU_MODES:
         raise ValueError(f"mode must be one of {GPU_MODES}, got {mode!r}")
     overhead = gpu.eager_op_s if mode == "eager" else gpu.kernel_overhead_s
-    eff = gpu.matmul_efficiency(batch)
+    eff = 1.0 if mode == "fixed" else gpu.matmul_efficiency(batch)
     times = []
     for k in kernels:
         n = k.calls * k.iterations
@@ -325,8 +351,14 @@ def simulate_gpu(
             + t.other_bytes / gpu.read_bw
             + t.copy_bytes / gpu.copy_bw
         )
-        it = t.count * overhead + max(mem, t.compute_s) + t.comm_s
-        times.append(KernelTime(k.name, t.count * n, 1, overhead, 0.0, mem, t.compute_s, t.comm_s, it, n * it))
+        fixed = t.fixed_s if mode == "fixed" else t.count * overhead
+        it = fixed + max(mem, t.compute_s) + t.comm_s
+        # A serving stack's layer also launches its all-reduce kernels (DIAYN counts them: 320 a token).
+        calls = t.count + (ALLREDUCES_PER_LAYER if mode == "fixed" and k.is_layer and n_gpus > 1 else 0)
+        launch = t.fixed_s / max(t.count, 1) if mode == "fixed" else overhead
+        times.append(KernelTime(k.name, calls * n, 1, launch, 0.0, mem, t.compute_s, t.comm_s, it, n * it))
+    if step_s:
+        times.append(KernelTime("serving runtime, per token", 0, 1, step_s, 0.0, 0.0, 0.0, 0.0, step_s, step_s))
     return Estimate(
         f"{gpu.name} x{n_gpus} {mode}",
         batch,

@@ -123,6 +123,10 @@ class GPUSpec(_Sourced):
     split_k_efficiency: float = 0.79  # split-K decode attention over the stacked cache
     inplace_kernel_gap_s: float = 3e-6  # fixed cost per kernel inside the per-layer CUDA graph
     p2p_allreduce_s: float = 5.0e-6  # our peer-to-peer all-reduce kernel (2 GPUs, B·D <= 8192), in the decode
+    # GPU mode "fixed" (a serving stack's kernels, e.g. TensorRT-LLM): each kernel's fixed cost beyond its
+    # bytes at the read ceiling, measured on Hopper (our batch-1 step profile).
+    gemm_kernel_s: float = 3.8e-6  # a weight-streaming GEMM/GEMV at M = 1: time = this + bytes / read_bw
+    small_kernel_s: float = 2.0e-6  # a kernel that moves few bytes (norm, RoPE, attention's own cost, residual)
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def matmul_efficiency(self, m: int) -> float:
@@ -292,6 +296,22 @@ H200 = GPUSpec(
             "for the slower GPU (benchmarks/results/2026-11-30/tp_profile_residual.json); their mean, 5.0 us, "
             "taken. H200 only: not measured on an H100",
         ),
+        (
+            "gemm_kernel_s",
+            "measured: intercept of kernel time against weight bytes over the four projection kernels of "
+            "our batch-1 step (benchmarks/results/2026-12-01/step_profile_b1.jsonl, one H200, per-step "
+            "means: q·k·v 15.2 us for 50.3 MB, o 12.0 us for 33.6 MB, gate+up 56.4 us for 234.9 MB, down "
+            "28.2 us for 117.4 MB); least squares: 3.8 us + bytes at 4.53 TB/s, about the read ceiling "
+            "(4.25-4.46 TB/s). cuBLAS K=4096 N=14336 M=1 at 31-34 us (h200-anchors.md) agrees: 3.8 us + "
+            "117.4 MB at 4.25 TB/s = 31.4 us. Launch, ramp, split-K reduction and tail: taken as a "
+            "property of Hopper kernels, so also the H100's",
+        ),
+        (
+            "small_kernel_s",
+            "measured: median of the 8 other kernels of a layer in the same profile (per-step means: "
+            "norms 2.1 and 3.8 us, RoPE + cache write 1.5, attention 4.8 at a 1k cache, split combine "
+            "2.0, adds and a convert 1.3-2.0): 2.0 us",
+        ),
     ),
 )
 
@@ -302,7 +322,7 @@ H100 = replace(
     hbm_bw=3.35e12,
     read_bw=3.0e12,
     copy_bw=3.0e12,
-    allreduce_latency_s=6e-6,
+    allreduce_latency_s=6.0e-6,
     sources=tuple(
         (k, v)
         for k, v in H200.sources
@@ -311,10 +331,13 @@ H100 = replace(
     + (
         (
             "allreduce_latency_s",
-            "8 GPUs, sourced: sgl-project/sglang PR #2904 (H100, TensorRT-LLM's custom all-reduce kernel, "
-            "no CUDA graph) 5.7 us at 4 KB and 7.8 us at 32 KB on TP8; a [1, 4096] bf16 message is 8 KB: "
-            "6 us taken. TensorRT-LLM runs this kernel for small tensor-parallel all-reduces; our 2-GPU "
-            "NCCL psum (20 us) is not an 8-GPU figure",
+            "8 GPUs, sourced: sgl-project/sglang PR #2904 (H100, TensorRT-LLM's custom one-shot "
+            "all-reduce kernel, no CUDA graph) 5.7 us at 4 KB and 7.8 us at 32 KB on TP8; a [1, 4096] bf16 "
+            "message is 8 KB: 6.0 us, linear between the two. TensorRT-LLM runs this kernel for small "
+            "tensor-parallel all-reduces over NVLink; NCCL on 8 H100s takes 19.2-20.7 us at 128 B-16 KB "
+            "(ByteDance-Seed/Triton-distributed issue #57), reported as the alternative "
+            "(rdu.anchors.CONFLICTS['dgx_h100_allreduce_us']); our 2-GPU NCCL psum (20 us) is not an "
+            "8-GPU figure",
         ),
         ("hbm_bytes", "NVIDIA H100 SXM datasheet: 80 GB HBM3"),
         ("hbm_bw", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),

@@ -8,14 +8,14 @@ Sources: papers.md §1.8 (DIAYN), h200-anchors.md and docs/log/ (our own H200 me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxdecode.config import get_preset
-from rdu.anchors import CONFLICTS, H200_ROWS
+from rdu.anchors import CONFLICTS, H200_ROWS, SGLANG_ROWS
 from rdu.gpu import gpu_estimate
 from rdu.hardware import gpu, sn40l
 from rdu.simulate import simulate_rdu
-from rdu.targets import mapped
+from rdu.targets import dgx_estimate, mapped, runtime_step_s, serving_estimate
 from rdu.trace import trace_decode_step
 
 
@@ -45,15 +45,15 @@ def rows(constants: str = "published") -> list[Row]:
     H100, H200 = gpu("h100", c), gpu("h200", c)
     out: list[Row] = []
     cfg8 = get_preset("llama-3.1-8b")
-    g4k = trace_decode_step(cfg8, 1, 4096, looped=False)
-    trt = gpu_estimate(g4k, H100, batch=1, dim=cfg8.dim, kv_heads=8, mode="fixed", n_gpus=8, kernels_per_layer=10)
+    trt = dgx_estimate(spec=H100)
+    step = runtime_step_s(H100)
     out += [
         Row(
             "gpu",
             "DGX H100 TRT-LLM, Llama-3.1-8B bs1 4K: tok/s",
             300.0,
             trt.tok_s,
-            "papers.md §1.8 [S:DIAYN]; 10 kernels/layer (DIAYN)",
+            "papers.md §1.8 [S:DIAYN]; 10 kernels/layer (DIAYN), runtime step from sglang's 1-GPU row",
         ),
         Row(
             "gpu",
@@ -63,6 +63,11 @@ def rows(constants: str = "published") -> list[Row]:
             "papers.md §1.1 [P-abs]",
         ),
     ]
+    # sglang on 8 H100s, predicted with the runtime step its 1-GPU row sets (that row is exact by construction).
+    for r in SGLANG_ROWS:
+        if r.split == "held out":
+            e = serving_estimate(r, H100, step_s=step)
+            out.append(Row("gpu", f"{r.what}, tok/s (held out)", r.tok_s, e.tok_s, r.source, bound_pct=15))
     # Our H200 measurements (h200-anchors.md), Llama-3.1-8B shape, bf16, cache 1024.
     g1k = trace_decode_step(cfg8, 1, 1024, looped=False)
 
@@ -216,10 +221,17 @@ def spread_rows(constants: str = "published") -> list[dict]:
                 "what": "SN40L-16 Llama-3.1-8B bs1 4K looped, tok/s",
             }
         )
-    g4k = trace_decode_step(cfg8, 1, 4096, looped=False)
-    trt = gpu_estimate(
-        g4k, gpu("h100", constants), batch=1, dim=cfg8.dim, kv_heads=8, mode="fixed", n_gpus=8, kernels_per_layer=10
-    )
+    h100 = gpu("h100", constants)
+    trt = dgx_estimate(spec=h100)
+    for us in (v for v, _ in CONFLICTS["dgx_h100_allreduce_us"].alternatives):
+        out.append(
+            {
+                "conflict": "dgx_h100_allreduce_us",
+                "value": us,
+                "what": "DGX H100 model tok/s",
+                "estimate": dgx_estimate(spec=replace(h100, allreduce_latency_s=us * 1e-6)).tok_s,
+            }
+        )
     for peak in (v for v, _ in CONFLICTS["dgx_h100_peak_tb_s"].alternatives):
         out.append(
             {

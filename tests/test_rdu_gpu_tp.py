@@ -1,5 +1,6 @@
 """rdu GPU mode: the batch-dependent matmul efficiency and the attention term by hand, tensor
-parallelism by hand, predict_tp, the conflicting-anchor spread, and `jaxdecode rdu --constants/--gpus`."""
+parallelism by hand, the serving-stack mode ("fixed") and its runtime step by hand, predict_tp, the
+conflicting-anchor spread, and `jaxdecode rdu --constants/--gpus`."""
 
 import json
 from dataclasses import replace
@@ -8,11 +9,13 @@ import pytest
 
 from jaxdecode.cli import main
 from jaxdecode.config import get_preset
-from rdu.anchors import CONFLICTS
+from rdu.anchors import CONFLICTS, SGLANG_ROWS
 from rdu.fit.gpu import gpu_constants, gpu_features, gpu_time
 from rdu.gpu import gpu_estimate, simulate_gpu
+from rdu.graph import Node
 from rdu.hardware import H200, gpu
 from rdu.mapping import Kernel, fuse
+from rdu.targets import dgx_estimate, runtime_step_s, serving_estimate
 from rdu.trace import trace_decode_step
 from rdu.validate import predict_tp, spread_rows
 
@@ -94,6 +97,40 @@ def test_tensor_parallel_by_hand():
     assert e16.kernels[0].memory_s == pytest.approx(5e5 / 0.5e12 + 5e5 / 0.25e12 + (1e4 / 8 + 2e4) / 1e12, rel=REL)
 
 
+def test_fixed_mode_by_hand():
+    """A serving stack's layer: its kernels (all-reduces included) at their fixed costs, the weights at
+    the read ceiling, the KV at the attention efficiency; on one GPU the all-reduce kernels are absent."""
+    spec = replace(H200, read_bw=1e12, attention_efficiency=0.25, nvlink_bw=1e11, allreduce_latency_s=1e-5)
+    mm = Node(0, "dot_general", "matmul", "layer/mlp", [], [])
+    layer = Kernel("decoder[l]", "decoder", 4, 1, 0, 8e6, 4e6, 1e4, 2e4, nodes=[mm, mm])
+    b, d = 1, 512
+    allreduce = 1e-5 + 2 * (1 / 2) * (b * d * 2) / 1e11
+    fixed = 2 * spec.gemm_kernel_s + (10 - 2 - 2) * spec.small_kernel_s  # 10 kernels: 2 GEMMs, 2 all-reduces
+    for n, comm in ((1, 0.0), (2, 2 * allreduce)):
+        est = simulate_gpu(
+            [layer], spec, batch=b, mode="fixed", n_gpus=n, kv_heads=8, activation_bytes=b * d * 2, step_s=1e-3
+        )
+        mem = 8e6 / n / 1e12 + 4e6 / n / 0.25e12 + (1e4 / n + 2e4) / 1e12
+        assert est.per_token_s == pytest.approx(4 * (fixed + mem + comm) + 1e-3, rel=REL)
+        assert est.calls_per_token == 4 * (8 + (2 if n > 1 else 0))
+    with pytest.raises(ValueError, match="fewer than the layer's 2 weight GEMMs"):
+        simulate_gpu([layer], spec, batch=1, mode="fixed", kernels_per_layer=3)
+
+
+def test_runtime_step_from_one_gpu_predicts_eight():
+    """The serving runtime's per-token step, set by sglang's 1-GPU row, reproduces that row and predicts
+    its 8-GPU row within 10%; the DGX row is the kernels plus that step."""
+    h100 = gpu("h100")
+    step = runtime_step_s(h100)
+    one, eight = SGLANG_ROWS
+    assert 0 < step < 1 / one.tok_s
+    assert serving_estimate(one, h100, step_s=step).tok_s == pytest.approx(one.tok_s, rel=1e-9)
+    assert serving_estimate(eight, h100, step_s=step).tok_s == pytest.approx(eight.tok_s, rel=0.10)
+    with_step, kernels = dgx_estimate(spec=h100), dgx_estimate(spec=h100, step=False)
+    assert with_step.per_token_s == pytest.approx(kernels.per_token_s + step, rel=1e-9)
+    assert with_step.calls_per_token == kernels.calls_per_token == 32 * 10 + 3 + 1  # DIAYN: 320 in the layers
+
+
 def test_predict_tp_tiny_and_8b():
     cfg = get_preset("tiny-gqa")
     spec = gpu("h200", "fitted")
@@ -125,6 +162,8 @@ def test_conflicts_are_explicit_and_spread_is_reported():
     assert {r["conflict"] for r in rs} == set(CONFLICTS) - {"h200_attention_efficiency"}
     dgx = {r["value"]: r["estimate"] for r in rs if r["conflict"] == "dgx_h100_peak_tb_s"}
     assert dgx[26.8] == pytest.approx(dgx[24.0] * 24.0 / 26.8)
+    ar = {r["value"]: r["estimate"] for r in rs if r["conflict"] == "dgx_h100_allreduce_us"}
+    assert ar[19.5] < ar[6.0]  # NCCL's latency is slower than TensorRT-LLM's one-shot kernel
     hbm = [r["estimate"] for r in rs if r["conflict"] == "sn40l_hbm_tb_s"]
     assert hbm == sorted(hbm) and hbm[0] < hbm[-1]  # 1.6 < 1.8 < 2.0 TB/s: faster with more bandwidth
     b32 = {r["value"]: r["estimate"] for r in rs if r["conflict"] == "h200_unrolled_b32_ms"}

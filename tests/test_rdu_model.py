@@ -203,21 +203,17 @@ def test_simulate_trivial_graph_by_hand():
 
 # GPU rows the model is known to miss with the published (prior) constants, kept honest rather than
 # widening their bounds:
-# - DGX H100 (TensorRT-LLM, 8 GPUs): with an 8-GPU all-reduce (6 us, sourced) instead of our 2-GPU NCCL
-#   20 us, the model runs 8B far faster than the published 300 tok/s (docs/rdu.md says why).
 # - H200 batch 32 (h200-anchors' plain-JAX peer, 17.2 ms) conflicts with our own engine's 6.7 ms for the
 #   same configuration (rdu.anchors.CONFLICTS).
 # - The published constants put the batch-1 tensor-parallel rows 19% and 26% slow (the fit fixes them).
 KNOWN_MISSES = {
-    "DGX H100 TRT-LLM, Llama-3.1-8B bs1 4K: tok/s",
-    "DGX H100: % of 24 TB/s",
     "H200 plain JAX unrolled, batch 32, tok/s",
     "2x H200 tensor parallel, llama-3.1-8b batch 1, ms/token",
     "2x H200 tensor parallel, llama-3.1-70b batch 1, ms/token",
 }
 # Targets of issue #27 that one consistent model does not meet (docs/rdu.md gives the numbers): SN40L-8
-# is stream-bound at 98% of the roofline (2.52x; the band ends at 2.5x = 96.9%), and the DGX rows.
-KNOWN_TARGET_FAILS = {"sn40l8_vs_dgx", "dgx_tok_s", "dgx_pct"}
+# is stream-bound at 98% of the roofline (2.53x; the band ends at 2.5x = 96.9%).
+KNOWN_TARGET_FAILS = {"sn40l8_vs_dgx"}
 
 
 def test_fitted_model_predicts_the_two_gpu_measurements():

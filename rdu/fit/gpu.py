@@ -34,6 +34,7 @@ class GPUFeatures:
 
     n: np.ndarray  # calls * iterations per token
     count: np.ndarray  # GPU kernels launched per call
+    fixed_s: np.ndarray  # mode "fixed": the kernels' own fixed costs per call (spec constants, not fitted)
     weight_bytes: np.ndarray  # per GPU
     kv_bytes: np.ndarray  # KV cache read per GPU
     other_bytes: np.ndarray  # KV write + activations, at the read ceiling
@@ -41,10 +42,12 @@ class GPUFeatures:
     compute_s: np.ndarray
     comm_s: np.ndarray
     eager: float  # 1.0: host-dispatched (eager_op_s per kernel), 0.0: queued (kernel_overhead_s)
+    fixed: float  # 1.0: mode "fixed" (fixed_s per call, weights at the read ceiling)
     gemv: float  # 1.0: M = batch = 1 (weights at gemv_efficiency), 0.0: M >= 2 (gemm_efficiency)
     read_bw: float
     copy_bw: float
     model_bytes: float
+    step_s: float = 0.0  # per token, outside the kernels
 
 
 jax.tree_util.register_dataclass(
@@ -52,6 +55,7 @@ jax.tree_util.register_dataclass(
     data_fields=[
         "n",
         "count",
+        "fixed_s",
         "weight_bytes",
         "kv_bytes",
         "other_bytes",
@@ -59,10 +63,12 @@ jax.tree_util.register_dataclass(
         "compute_s",
         "comm_s",
         "eager",
+        "fixed",
         "gemv",
         "read_bw",
         "copy_bw",
         "model_bytes",
+        "step_s",
     ],
     meta_fields=[],
 )
@@ -79,6 +85,7 @@ def gpu_features(
     activation_bytes: int = 0,
     logits_bytes: int = 0,
     kernels_per_layer: int | None = None,
+    step_s: float = 0.0,
 ) -> GPUFeatures:
     """Read the fixed inputs of `simulate_gpu` (same arguments, same `gpu_kernel_terms`)."""
     rows = []
@@ -97,6 +104,7 @@ def gpu_features(
             (
                 k.calls * k.iterations,
                 t.count,
+                t.fixed_s,
                 t.weight_bytes,
                 t.kv_bytes,
                 t.other_bytes,
@@ -109,28 +117,31 @@ def gpu_features(
     return GPUFeatures(
         *cols,
         eager=float(mode == "eager"),
+        fixed=float(mode == "fixed"),
         gemv=float(batch == 1),
         read_bw=gpu.read_bw,
         copy_bw=gpu.copy_bw,
         model_bytes=float(sum(k.calls * k.iterations * k.bytes for k in kernels)),
+        step_s=step_s,
     )
 
 
 def gpu_time(c: dict, f: GPUFeatures):
     """Per-token time (s) of `simulate_gpu` as a `jnp` function of the constants `c`."""
     overhead = jnp.where(f.eager > 0, c["eager_op_s"], c["kernel_overhead_s"])
-    eff = jnp.where(f.gemv > 0, c["gemv_efficiency"], c["gemm_efficiency"])
+    eff = jnp.where(f.fixed > 0, 1.0, jnp.where(f.gemv > 0, c["gemv_efficiency"], c["gemm_efficiency"]))
     mem = (
         f.weight_bytes / (eff * f.read_bw)
         + f.kv_bytes / (c["attention_efficiency"] * f.read_bw)
         + f.other_bytes / f.read_bw
     )
     mem = mem + f.copy_bytes / f.copy_bw
-    it = f.count * overhead + jnp.maximum(mem, f.compute_s) + f.comm_s
-    return jnp.sum(f.n * it)
+    fixed = jnp.where(f.fixed > 0, f.fixed_s, f.count * overhead)
+    it = fixed + jnp.maximum(mem, f.compute_s) + f.comm_s
+    return jnp.sum(f.n * it) + f.step_s
 
 
-def gpu_row_features(row: GPURow) -> GPUFeatures:
+def gpu_row_features(row: GPURow, step_s: float = 0.0) -> GPUFeatures:
     cfg = get_preset(row.model)
     g = trace_decode_step(cfg, row.batch, row.context, looped=False)
     all_kernels = fuse(g)
@@ -146,6 +157,7 @@ def gpu_row_features(row: GPURow) -> GPUFeatures:
         activation_bytes=row.batch * cfg.dim * 2,
         kernels_per_layer=row.kernels_per_layer,
         logits_bytes=sum(k.other_bytes for k in all_kernels if k.role == "sampling"),
+        step_s=step_s,
     )
 
 
