@@ -64,8 +64,13 @@ class QuantizedWeight:
         return jnp.swapaxes(dequantize_rows(self.codes, self.scales, self.offsets), -1, -2).astype(dtype)
 
     def device_put(self) -> QuantizedWeight:
-        """The same weight with numpy arrays placed on the default device."""
-        return jax.tree.map(jnp.asarray, self)
+        """The same weight with numpy arrays placed on the default device. On the CPU, int4 codes are
+        widened to int8 (the same values, twice the bytes): XLA:CPU converts int4 to float about three
+        times slower than int8, and the CPU `quant_dot` converts every code of a step."""
+        placed = jax.tree.map(jnp.asarray, self)
+        if jax.default_backend() == "cpu" and placed.codes.dtype == jnp.int4:
+            placed = dataclasses.replace(placed, codes=placed.codes.astype(jnp.int8))
+        return placed
 
 
 def is_quantized(w) -> bool:
@@ -99,17 +104,67 @@ def dequantize_rows(codes: Array, scales: Array, offsets: Array | None) -> Array
     return w.reshape(*lead, n, k)
 
 
+CPU_TILE_BYTES = 1 << 22  # float32 bytes of one dequantized row tile on the CPU: a size the last-level cache holds
+
+
 @jax.jit
 def quant_dot(x: Array, codes: Array, scales: Array, *offsets: Array) -> Array:
     """x [..., K] @ the dequantized weight ([K, N] from codes [N, K], scales (offsets) [K/G, N]) → [..., N] in
     x's dtype, the dot in float32. One module-level jitted function, so the in-place looped decode can
     hand it to a kernel that reads the stacked codes in place (`looped_model.kernel_quant_dot`).
 
-    Written as the dequantized rows times x: XLA fuses the dequantization into a loop over row tiles
-    on the CPU, so only the codes cross memory."""
-    w = dequantize_rows(codes, scales, offsets[0] if offsets else None)  # [N, K]
+    Plain JAX: the dequantized rows times x. On the CPU backend (read at trace time: the engine's
+    process runs one backend) the rows are dequantized tile by tile after x exists (`_quant_dot_cpu`);
+    the same arithmetic, summed in another order."""
+    offsets_ = offsets[0] if offsets else None
+    if jax.default_backend() == "cpu":
+        return _quant_dot_cpu(x, codes, scales, offsets_)
+    w = dequantize_rows(codes, scales, offsets_)  # [N, K]
     y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w)  # [..., N]
     return y.astype(x.dtype)
+
+
+def _quant_dot_cpu(x: Array, codes: Array, scales: Array, offsets: Array | None) -> Array:
+    """`quant_dot` for XLA:CPU, which runs a dot only on materialized float operands: each weight's
+    dequantized rows are written to a buffer and read back by the dot. Two things keep that buffer
+    small enough to stay in the cache. The codes are made to depend on x (`_after`): a dequantization
+    that depends on parameters only is hoisted out of the decode loop by XLA's loop-invariant code
+    motion (or scheduled at the start of a step), and the step then holds the whole model in float32
+    (an optimization barrier does not prevent it: XLA:CPU removes barriers). Row tiles of at most
+    `CPU_TILE_BYTES` (a `lax.map`) bound the buffer of the large output projection. Int4 codes convert
+    slowly here: `device_put` widens them to int8 on the CPU. Speed: BENCHMARKS.md, "Quantized weights"."""
+    xf = x.astype(jnp.float32)
+    n, k = codes.shape[-2:]
+    rows = _tile_rows(n, max(1, CPU_TILE_BYTES // (4 * k)))
+    if rows == n:
+        y = jnp.einsum("...k,nk->...n", xf, dequantize_rows(_after(x, codes), scales, offsets))  # [..., N]
+        return y.astype(x.dtype)
+    tiles = n // rows
+    split = lambda a: jnp.moveaxis(a.reshape(a.shape[0], tiles, rows), 1, 0)  # [K/G, N] -> [N/R, K/G, R]
+    parts = (codes.reshape(tiles, rows, k), split(scales)) + (() if offsets is None else (split(offsets),))
+
+    def tile(part):  # one tile of R rows: codes [R, K], scales (offsets) [K/G, R] -> [..., R]
+        w = dequantize_rows(_after(x, part[0]), part[1], part[2] if len(part) > 2 else None)  # [R, K]
+        return jnp.einsum("...k,nk->...n", xf, w)
+
+    y = jax.lax.map(tile, parts)  # [N/R, ..., R]
+    return jnp.moveaxis(y, 0, -2).reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _after(x: Array, codes: Array) -> Array:
+    """`codes`, unchanged, as a value computed from x too: selected against zeros on a condition that
+    is always false (an arithmetic shift of x's first element's bits by 31 is 0 or -1, never > 0) but
+    that XLA cannot prove so, and that fuses into the dequantization."""
+    bits = jax.lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.int32)
+    never = jax.lax.shift_right_arithmetic(bits, jnp.int32(31)) > 0
+    return jnp.where(never, jnp.zeros((), codes.dtype), codes)
+
+
+def _tile_rows(n: int, cap: int) -> int:
+    """Rows per tile: the largest divisor of n that is at most cap; n (one tile) when n <= cap or when
+    the divisor would be under cap/8 (an N with no fitting divisor: correct, with a larger buffer)."""
+    rows = next(d for d in range(min(n, cap), 0, -1) if n % d == 0)
+    return n if rows < cap // 8 else rows
 
 
 def matmul(x: Array, w) -> Array:
