@@ -193,10 +193,15 @@ def kl_speedups(hw: RDUSpec) -> dict[tuple[str, int, int], float]:
 
 def serving_estimate(row: ServingRow, spec: GPUSpec, *, step_s: float = 0.0) -> Estimate:
     """A serving stack's batch-1 Llama-3.1-8B step on `row.n_gpus` H100s (GPU mode "fixed")."""
-    cfg = get_preset("llama-3.1-8b")
-    g = trace_decode_step(cfg, 1, row.context, looped=False)
     if row.n_gpus > 1:
         spec = replace(spec, allreduce_latency_s=row.allreduce_s)
+    return _fixed_8b_step(spec, row.context, row.n_gpus, row.kernels_per_layer, step_s)
+
+
+def _fixed_8b_step(spec: GPUSpec, context: int, n_gpus: int, kernels_per_layer: int, step_s: float) -> Estimate:
+    """Llama-3.1-8B at batch 1 in GPU mode "fixed": the one estimate behind the serving and DGX rows."""
+    cfg = get_preset("llama-3.1-8b")
+    g = trace_decode_step(cfg, 1, context, looped=False)
     return gpu_estimate(
         g,
         spec,
@@ -204,8 +209,8 @@ def serving_estimate(row: ServingRow, spec: GPUSpec, *, step_s: float = 0.0) -> 
         dim=cfg.dim,
         kv_heads=cfg.n_kv_heads,
         mode="fixed",
-        n_gpus=row.n_gpus,
-        kernels_per_layer=row.kernels_per_layer,
+        n_gpus=n_gpus,
+        kernels_per_layer=kernels_per_layer,
         step_s=step_s,
     )
 
@@ -221,20 +226,9 @@ def runtime_step_s(spec: GPUSpec) -> float:
 def dgx_estimate(constants: str = "fitted", *, spec: GPUSpec | None = None, step: bool = True) -> Estimate:
     """The DGX H100 row (TensorRT-LLM, 8 GPUs, Llama-3.1-8B bs1 4K): DIAYN's 10 kernels per layer at
     their measured costs, the 8-GPU all-reduce, plus `runtime_step_s` unless `step` is False."""
-    cfg = get_preset("llama-3.1-8b")
-    g = trace_decode_step(cfg, 1, DGX_ROW.context, looped=False)
     h100 = spec or gpu("h100", constants)
-    return gpu_estimate(
-        g,
-        h100,
-        batch=1,
-        dim=cfg.dim,
-        kv_heads=cfg.n_kv_heads,
-        mode="fixed",
-        n_gpus=DGX_ROW.n_gpus,
-        kernels_per_layer=DGX_ROW.kernels_per_layer,
-        step_s=runtime_step_s(h100) if step else 0.0,
-    )
+    step_s = runtime_step_s(h100) if step else 0.0
+    return _fixed_8b_step(h100, DGX_ROW.context, DGX_ROW.n_gpus, DGX_ROW.kernels_per_layer, step_s)
 
 
 def invariant_violations(hw: RDUSpec) -> list[str]:
