@@ -12,9 +12,14 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 from jaxdecode.config import DEFAULT_MODEL
-from jaxdecode.quantized import QUANTIZE_FORMATS
+
+# Building the parser imports no JAX, so that `jaxdecode --help` and a bad flag answer at once. Hence these
+# copies of names from modules that import JAX; tests/test_cli.py holds them equal to the originals.
+QUANTIZE_CHOICES = ("int8", "int4")  # jaxdecode.quantized.QUANTIZE_FORMATS
+TUNE_HELP = "profile GEMV / flat GEMM / XLA per [N, K] and write the dispatch table for this GPU"  # kernels.tune
 
 
 class CliError(Exception):
@@ -22,6 +27,32 @@ class CliError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """Errors in one line. `deferred` adds the parser's arguments when it is first used (to parse or to print
+    help), for a subcommand whose arguments live in a module that imports JAX."""
+
+    def __init__(self, *args, deferred: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._deferred = deferred
+
+    def complete(self) -> _Parser:
+        """Add the deferred arguments now (idempotent)."""
+        if self._deferred is not None:
+            add, self._deferred = self._deferred, None
+            add(self)
+        return self
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self):
+        self.complete()
+        return super().format_usage()
+
+    def format_help(self):
+        self.complete()
+        return super().format_help()
+
     def error(self, message):  # one line, not usage + message
         raise CliError(message)
 
@@ -68,7 +99,7 @@ def _add_model(p: argparse.ArgumentParser):
     p.add_argument("--no-loop", action="store_true", help="keep the layers unrolled (turn off kernel looping)")
     p.add_argument(
         "--quantize",
-        choices=tuple(QUANTIZE_FORMATS),
+        choices=QUANTIZE_CHOICES,
         default=None,
         help="quantize every projection to 8 or 4 bits on load (round to nearest, a scale per group of 128 "
         "inputs); a GGUF file is dequantized first. Default: a GGUF file keeps its own quantization",
@@ -131,7 +162,15 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    from kernels.tune import add_arguments
+
+    add_arguments(p)
+
+
+def build_parser(complete: bool = False) -> argparse.ArgumentParser:
+    """The `jaxdecode` parser. The `tune` subcommand's arguments are added when it parses or prints its help
+    (kernels.tune imports JAX); `complete=True` adds them now, for code that reads the parsers' actions."""
     parser = _Parser(prog="jaxdecode", description="A JAX decode engine with kernel looping.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(
@@ -232,9 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rdu.cli import add_parser as add_rdu_parser  # the CLI is the one place where the packages meet
 
     add_rdu_parser(sub)
-    from kernels.tune import add_parser as add_tune_parser
-
-    add_tune_parser(sub)
+    tune = sub.add_parser("tune", help=TUNE_HELP, deferred=_add_tune_arguments)
+    if complete:
+        tune.complete()
     return parser
 
 
@@ -295,7 +334,7 @@ def _engine(args, *, need_tokenizer: bool):
     from jaxdecode.config import DEFAULT_MODEL, PRESETS
 
     progress.set_quiet(getattr(args, "json", False))  # --json: stderr carries only the stream and errors
-    with progress.phase("importing the engine (JAX, Flax, the kernels)"):
+    with _importing("the engine (JAX, Flax, the kernels)"):
         from jaxdecode.decode import Engine, default_dtype
         from jaxdecode.loading import load_model
 
@@ -380,14 +419,23 @@ def cmd_chat(args) -> int:
     return session.run()
 
 
+def _importing(what: str):
+    """The progress line while a command imports JAX and its own modules (the parser imported neither)."""
+    from jaxdecode import progress
+
+    return progress.phase(f"importing {what}")
+
+
 def cmd_bench(args) -> int:
-    from jaxdecode.bench import run_cli_bench
+    with _importing("the engine (JAX, Flax, the kernels)"):
+        from jaxdecode.bench import run_cli_bench
 
     return run_cli_bench(args)
 
 
 def cmd_loop_report(args) -> int:
-    from jaxdecode.looped_model import model_loop_report
+    with _importing("the engine (JAX, Flax, the kernels)"):
+        from jaxdecode.looped_model import model_loop_report
 
     report = model_loop_report(args.model)
     print(json.dumps(report.to_dict()) if args.json else report.format())
@@ -395,13 +443,14 @@ def cmd_loop_report(args) -> int:
 
 
 def cmd_rdu(args) -> int:
-    from rdu.cli import run
+    from rdu.cli import run  # imports JAX inside run
 
     return run(args)
 
 
 def cmd_tune(args) -> int:
-    from kernels.tune import run
+    with _importing("the kernels (JAX)"):
+        from kernels.tune import run
 
     return run(args)
 

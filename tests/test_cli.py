@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import SMOLLM_TOKENS, random_hf_state, write_gguf
 
-from jaxdecode.cli import build_parser, main
+from jaxdecode.cli import QUANTIZE_CHOICES, TUNE_HELP, _Parser, build_parser, main
 from jaxdecode.config import PRESETS, ModelConfig
 from jaxdecode.weights.gguf import default_model_path
 
@@ -145,7 +145,7 @@ def _commands(parser) -> dict[str, argparse.ArgumentParser]:
 def test_every_flag_has_help_that_states_its_true_default():
     """Every action of every (sub)parser has help; where a flag has a default, its help states the value that
     parsing without the flag gives (set_defaults included, as chat's --max-new-tokens)."""
-    parsers, checked = _commands(build_parser()), 0
+    parsers, checked = _commands(build_parser(complete=True)), 0
     for name, p in parsers.items():
         required = []
         for a in p._actions:
@@ -201,3 +201,23 @@ def test_bench_that_measures_nothing_exits_2(capsys):
     assert err.strip().splitlines()[-1] == (
         "jaxdecode: error: bench measured nothing: 1 refused, failed or skipped (the lines above say why)"
     )
+
+
+def test_the_parser_copies_of_jax_modules_names_equal_the_originals():
+    """build_parser imports no JAX (tests/test_imports.py), so it holds copies: --quantize's choices and the
+    tune subcommand, whose arguments kernels.tune adds when the subparser is first used."""
+    from jaxdecode.quantized import QUANTIZE_FORMATS
+    from kernels.tune import add_parser
+
+    assert QUANTIZE_CHOICES == tuple(QUANTIZE_FORMATS)
+    reference = _Parser(prog="jaxdecode")
+    add_parser(reference.add_subparsers(dest="command", parser_class=_Parser))
+    ours = build_parser()
+    [ref_sub], [our_sub] = (
+        [a for a in p._actions if isinstance(a, argparse._SubParsersAction)] for p in (reference, ours)
+    )
+    [ref_help] = [a.help for a in ref_sub._choices_actions if a.dest == "tune"]
+    assert TUNE_HELP == ref_help
+    assert len(our_sub.choices["tune"]._actions) == 1  # only -h until the subcommand is used
+    assert our_sub.choices["tune"].format_help() == ref_sub.choices["tune"].format_help()
+    assert [a.dest for a in our_sub.choices["tune"]._actions] == [a.dest for a in ref_sub.choices["tune"]._actions]

@@ -4,6 +4,9 @@ grimp reads every import statement, those inside functions too, so a cycle hidde
 import fails here as well.
 """
 
+import subprocess
+import sys
+
 import grimp
 import pytest
 
@@ -72,3 +75,22 @@ def test_only_the_cli_imports_rdu(graph):
         if any(i.split(".")[0] == "rdu" for i in graph.find_modules_directly_imported_by(m))
     }
     assert importers <= {"jaxdecode.cli"}
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import jaxdecode",
+        "import jaxdecode.cli",
+        "import jaxdecode.cli as c; c.build_parser()",
+        "import jaxdecode.cli as c; c.main(['--help'])",
+        "import jaxdecode.cli as c; c.main(['generate', '--help'])",
+        "import jaxdecode.cli as c; c.main(['bench', '--bad-flag'])",
+    ],
+)
+def test_the_package_and_the_parser_do_not_import_jax(code):
+    """`jaxdecode --help`, a subcommand's help and a bad flag answer without JAX's seconds of import."""
+    check = f"import sys\ntry:\n    {code}\nexcept SystemExit:\n    pass\nprint('jax' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False", proc.stderr[-2000:]

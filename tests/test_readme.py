@@ -74,7 +74,7 @@ def test_readme_command_runs(argv, comment, tmp_path):
 def test_usage_block_names_only_real_commands_and_flags():
     """The usage synopsis (a `text` block) is not run: each subcommand it names and each --flag on its line
     (comment included) must exist in the parser."""
-    parser = build_parser()
+    parser = build_parser(complete=True)  # every subcommand's flags, the deferred ones too
     [sub] = [a for a in parser._actions if a.dest == "command"]
     lines = []
     for body in _blocks("text"):
