@@ -28,6 +28,7 @@ class GPURow:
     kernels_per_layer: int | None = None
     model: str = "llama-3.1-8b"
     allreduce: str = "psum"  # tensor parallel: NCCL's psum or our peer-to-peer kernel ("kernel")
+    quantize: str | None = None  # weights as `jaxdecode --quantize` stores them (None: bf16)
 
 
 B = "docs/log/2026-11-30.md (benchmarks/results/2026-11-30/loop_gpu_8b_inplace.json)"
@@ -119,6 +120,35 @@ INPLACE_ROWS = (
     GPURow("ours, Llama-3.1-8B b8 ctx 8k", 6.734, "looped_inplace", 8, "test", SI, context=8320),
     GPURow("ours, Llama-3.1-8B b32 ctx 8k", 12.873, "looped_inplace", 32, "test", SI, context=8320),
     GPURow("ours, Qwen2.5-7B b1 ctx 1k", 4.556, "looped_inplace", 1, "test", SIQ, context=1152, model="qwen2.5-7b"),
+)
+Q8 = (
+    "benchmarks/results/2026-12-02/ab_quant_8b_h200.jsonl (benchmarks/ab.py, one H200, 64 steps after a 1024-token "
+    "context and a 16-token prompt: cache 1152; read ceiling 4305 GB/s)"
+)
+Q70 = "benchmarks/results/2026-12-02/ab_quant_70b_h200.jsonl (int4, same harness; read ceiling 4356 GB/s)"
+# Our engine with quantized weights (GPU mode "looped_inplace", rdu.quantized's kernels). One row fits the
+# one quantized constant (`quant_glue_kernel_s`); the other quantized rows are held out, and so are the
+# bf16 rows of the same run (the in-place constants were fitted on an earlier run, INPLACE_ROWS).
+QUANT_ROWS = (
+    GPURow(
+        "ours int4, Llama-3.1-8B b1 ctx 1k", 3.2147, "looped_inplace", 1, "train", Q8, context=1152, quantize="int4"
+    ),
+    GPURow("ours int8, Llama-3.1-8B b1 ctx 1k", 4.2288, "looped_inplace", 1, "test", Q8, context=1152, quantize="int8"),
+    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 3.8728, "looped_inplace", 8, "test", Q8, context=1152, quantize="int4"),
+    GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 4.8813, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
+    GPURow(
+        "ours int4, Llama-3.1-70B b1 ctx 1k",
+        19.1512,
+        "looped_inplace",
+        1,
+        "test",
+        Q70,
+        context=1152,
+        model="llama-3.1-70b",
+        quantize="int4",
+    ),
+    GPURow("ours bf16 (same run), Llama-3.1-8B b1 ctx 1k", 4.534, "looped_inplace", 1, "test", Q8, context=1152),
+    GPURow("ours bf16 (same run), Llama-3.1-8B b8 ctx 1k", 4.9044, "looped_inplace", 8, "test", Q8, context=1152),
 )
 # The same engine under tensor parallelism (shard_map, 2 psums per layer), cache 1088 (1024 + 16 + 32
 # rounded up to 64), 32 steps: reported with the fitted constants, never fitted.

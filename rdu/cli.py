@@ -88,8 +88,11 @@ def run(args) -> int:
         for r in sweep:
             print(f"  {r['constant']:16s} {r['value']:10.4g}  {r['tok_s']:8.1f} tok/s  {r['vs_dgx']:5.2f}x DGX")
         print(text)
+        from rdu.fit.quant import quant_table
+
+        rec = load_fitted()
+        print(quant_table(rec))
         if args.json:
-            rec = load_fitted()
             required = [r for r in targets if not r["soft"]]
             print(
                 json.dumps(

@@ -34,6 +34,10 @@ this mode does not charge. Per layer it runs:
 
 and every kernel costs a fixed `inplace_kernel_gap_s` inside the per-layer graph: its own launch, ramp
 and drain (a small kernel costs about as much however few bytes it moves), not a gap between kernels.
+A quantized layer (int8/int4 inputs in the traced graph) runs other kernels: one quantized GEMM per
+projection, each its measured fixed cost plus its real bytes (codes and scales) at its measured share
+of the read ceiling, and the measured count of XLA glue kernels around them at `quant_glue_kernel_s`
+each (rdu.quantized holds those measurements); the output projection runs the same quantized kernel.
 The layer time is kernels * that cost + max(memory, FLOPs / achieved rate) + all-reduces (tensor
 parallel, as the "xla" mode). Efficiencies are fractions of the spec peak, not of the jnp.sum read
 ceiling: in the bench suite each extra KV byte from 1k to 8k context (batch 8 and 32) costs less than
@@ -49,6 +53,7 @@ from jaxdecode.model import Hook
 from rdu.graph import DataflowGraph
 from rdu.hardware import GPUSpec
 from rdu.mapping import ALLREDUCES_PER_LAYER, STAGE_KINDS, Kernel, fuse
+from rdu.quantized import QUANT_KERNELS, quant_format
 from rdu.simulate import Estimate, KernelTime, model_bytes
 
 GPU_MODES = ("xla", "eager", "scan_copy", "fixed", "looped_inplace")
@@ -176,13 +181,18 @@ def gpu_kernel_terms(
 class InplaceTerms:
     """What one decoder layer of the looped in-place step costs per GPU, before the free constants."""
 
-    kernels: int  # kernels launched per layer (flat GEMMs + attention + XLA fusions and scatters)
+    kernels: int  # kernels per layer at `inplace_kernel_gap_s` each (flat GEMMs, attention, XLA fusions)
     gemms: int  # of which flat GEMM kernels
     gemm_bytes: float  # projection weights per GPU, at the flat GEMM efficiency
     kv_bytes: float  # KV cache read per GPU, at the split-K attention efficiency
     other_bytes: float  # KV write + activations, at the read ceiling
     compute_s: float  # FLOPs per GPU at the achieved matmul rate
     comm_s: float  # tensor-parallel all-reduces
+    # A quantized layer (then kernels = gemms = gemm_bytes = 0): its kernels, their fixed costs (GEMMs and
+    # glue) and its codes and scales streamed by the quantized GEMMs (rdu.quantized).
+    quant_kernels: int = 0
+    quant_fixed_s: float = 0.0
+    quant_mem_s: float = 0.0
 
 
 def _is_attention(n) -> bool:
@@ -243,9 +253,20 @@ def inplace_kernel_counts(layer: DataflowGraph) -> tuple[int, int]:
 
 
 def inplace_terms(
-    k: Kernel, gpu: GPUSpec, *, n_gpus: int = 1, kv_heads: int = 8, activation_bytes: int = 0, allreduce: str = "psum"
+    k: Kernel,
+    gpu: GPUSpec,
+    *,
+    n_gpus: int = 1,
+    kv_heads: int = 8,
+    activation_bytes: int = 0,
+    allreduce: str = "psum",
+    quant: str | None = None,
+    batch: int = 1,
 ) -> InplaceTerms:
     """The terms of one decoder kernel (weights split n ways, KV over min(n, kv_heads) shards).
+
+    `quant` ("int8" | "int4"): the layer's projections are quantized (`k.weight_bytes` are their codes and
+    scales); its kernels are then `QUANT_KERNELS[quant]`'s, `batch` picking the count at M = 1 or M >= 2.
 
     Tensor-parallel all-reduces: "psum" charges NCCL's measured latency plus the ring's NVLink bytes
     (`gpu_allreduce_s`); "kernel" (2 GPUs; the engine picks it for activations of at most 8192
@@ -262,6 +283,21 @@ def inplace_terms(
     else:
         per_call = gpu_allreduce_s(activation_bytes, n_gpus, gpu)
     comm = ALLREDUCES_PER_LAYER * per_call
+    if quant is not None:
+        q = QUANT_KERNELS[quant]
+        n = q.layer_kernels(batch)
+        return InplaceTerms(
+            0,
+            0,
+            0.0,
+            k.cache_read_bytes / shards,
+            k.cache_write_bytes / shards + k.other_bytes,
+            k.flops / n_gpus / gpu.achieved_flops,
+            comm,
+            n,
+            q.gemm_kernels * q.gemm_fixed_s + (n - q.gemm_kernels) * gpu.quant_glue_kernel_s,
+            k.weight_bytes / n_gpus / (q.gemm_efficiency * gpu.read_bw),
+        )
     return InplaceTerms(
         count,
         gemms,
@@ -282,10 +318,12 @@ def inplace_layer_s(t: InplaceTerms, gpu: GPUSpec, batch: int) -> tuple[float, f
     """(memory seconds, whole layer seconds) of one layer call."""
     mem = (
         t.gemm_bytes / (flat_gemm_efficiency(gpu, batch) * gpu.hbm_bw)
+        + t.quant_mem_s
         + t.kv_bytes / (gpu.split_k_efficiency * gpu.hbm_bw)
         + t.other_bytes / gpu.read_bw
     )
-    return mem, t.kernels * gpu.inplace_kernel_gap_s + max(mem, t.compute_s) + t.comm_s
+    fixed = t.kernels * gpu.inplace_kernel_gap_s + t.quant_fixed_s
+    return mem, fixed + max(mem, t.compute_s) + t.comm_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +343,7 @@ def simulate_gpu(
     kernels_per_layer: int | None = None,
     flops: int = 0,
     step_s: float = 0.0,
+    quant: str | None = None,
 ) -> Estimate:
     """Per-token decode time on `n_gpus` GPUs (tensor parallel) for the kernels of a traced step.
 
@@ -317,7 +356,8 @@ def simulate_gpu(
     per layer, e.g. 10 for TensorRT-LLM per the DIAYN paper: each costs its fixed cost, `gpu_kernel_terms`,
     and the weights stream at the read ceiling), "looped_inplace" (our engine: decoder layers as this
     module's docstring says, embedding and LM head as "xla"). `step_s`: a per-token cost outside the
-    kernels (a serving runtime's), added once.
+    kernels (a serving runtime's), added once. `quant` ("int8" | "int4"): the weights are quantized; in
+    mode "looped_inplace" the layers and the output projection then run the quantized kernels.
     """
     if mode not in GPU_MODES:
         raise ValueError(f"mode must be one of {GPU_MODES}, got {mode!r}")
@@ -327,13 +367,13 @@ def simulate_gpu(
     for k in kernels:
         n = k.calls * k.iterations
         if mode == "looped_inplace" and k.is_layer:
-            t = inplace_terms(k, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes)
-            mem, it = inplace_layer_s(t, gpu, batch)
-            times.append(
-                KernelTime(
-                    k.name, t.kernels * n, 1, gpu.inplace_kernel_gap_s, 0.0, mem, t.compute_s, t.comm_s, it, n * it
-                )
+            t = inplace_terms(
+                k, gpu, n_gpus=n_gpus, kv_heads=kv_heads, activation_bytes=activation_bytes, quant=quant, batch=batch
             )
+            mem, it = inplace_layer_s(t, gpu, batch)
+            calls = t.kernels + t.quant_kernels
+            launch = gpu.inplace_kernel_gap_s if quant is None else t.quant_fixed_s / calls
+            times.append(KernelTime(k.name, calls * n, 1, launch, 0.0, mem, t.compute_s, t.comm_s, it, n * it))
             continue
         t = gpu_kernel_terms(
             k,
@@ -345,13 +385,15 @@ def simulate_gpu(
             logits_bytes=logits_bytes,
             kernels_per_layer=kernels_per_layer,
         )
+        # Our engine hands a quantized output projection to the quantized GEMM kernel.
+        q = QUANT_KERNELS[quant] if (quant and mode == "looped_inplace" and k.role == "classifier") else None
         mem = (
-            t.weight_bytes / (eff * gpu.read_bw)
+            t.weight_bytes / ((q.gemm_efficiency if q else eff) * gpu.read_bw)
             + t.kv_bytes / (gpu.attention_efficiency * gpu.read_bw)
             + t.other_bytes / gpu.read_bw
             + t.copy_bytes / gpu.copy_bw
         )
-        fixed = t.fixed_s if mode == "fixed" else t.count * overhead
+        fixed = (t.fixed_s if mode == "fixed" else t.count * overhead) + (q.gemm_fixed_s if q else 0.0)
         it = fixed + max(mem, t.compute_s) + t.comm_s
         # A serving stack's layer also launches its all-reduce kernels (DIAYN counts them: 320 a token).
         calls = t.count + (ALLREDUCES_PER_LAYER if mode == "fixed" and k.is_layer and n_gpus > 1 else 0)
@@ -384,7 +426,8 @@ def gpu_estimate(
     **kw,
 ) -> Estimate:
     """`simulate_gpu` on the kernels of a traced decode step (the sampling kernel is left out: the
-    measured GPU rows time the forward step plus sampling inside the same dispatch)."""
+    measured GPU rows time the forward step plus sampling inside the same dispatch). Quantized weights
+    are read off the graph's input dtypes."""
     all_kernels = fuse(graph)
     logits = sum(k.other_bytes for k in all_kernels if k.role == "sampling")  # [B, V] logits
     kernels = [k for k in all_kernels if k.role != "sampling"]
@@ -398,5 +441,5 @@ def gpu_estimate(
         activation_bytes=batch * dim * itemsize,
         logits_bytes=logits,
         flops=graph.total_flops(),
-        **kw,
+        **{"quant": quant_format(t.dtype for t in graph.inputs), **kw},
     )

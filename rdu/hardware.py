@@ -123,6 +123,7 @@ class GPUSpec(_Sourced):
     split_k_efficiency: float = 0.79  # split-K decode attention over the stacked cache
     inplace_kernel_gap_s: float = 3e-6  # fixed cost per kernel inside the per-layer CUDA graph
     p2p_allreduce_s: float = 5.0e-6  # our peer-to-peer all-reduce kernel (2 GPUs, B·D <= 8192), in the decode
+    quant_glue_kernel_s: float = 3e-6  # each XLA kernel of a quantized layer besides its GEMMs (rdu.quantized)
     # GPU mode "fixed" (a serving stack's kernels, e.g. TensorRT-LLM): each kernel's fixed cost beyond its
     # bytes at the read ceiling, measured on Hopper (our batch-1 step profile).
     gemm_kernel_s: float = 3.8e-6  # a weight-streaming GEMM/GEMV at M = 1: time = this + bytes / read_bw
@@ -289,6 +290,13 @@ H200 = GPUSpec(
             "per-layer CUDA graph (its launch, ramp and drain; no gap between kernels)",
         ),
         (
+            "quant_glue_kernel_s",
+            "prior: assumed 3 us, as inplace_kernel_gap_s; fitted (rdu.fit.quant) on one measured quantized "
+            "step, Llama-3.1-8B int4 batch 1 (benchmarks/results/2026-12-02/ab_quant_8b_h200.jsonl): the XLA "
+            "kernels between the quantized GEMMs (pads, split-K epilogues, transposes, RoPE and the cache "
+            "write unfused), each a launch plus a few small reads",
+        ),
+        (
             "p2p_allreduce_s",
             "measured 2026-11-30 16:37 UTC on 2 NVLink H200s: kernels.allreduce's barrier-free "
             "kernel (with the residual add) inside a TP2 Llama-3.1-8B batch-1 decode step (profiler, "
@@ -357,11 +365,13 @@ SN40L_FREE = ("call_s", "stage_latency_s", "p2p_hop_s", "hbm_efficiency")
 SN40L_FITTED = ("stage_latency_s", "p2p_hop_s")
 GPU_FREE = ("kernel_overhead_s", "eager_op_s", "gemv_efficiency", "gemm_efficiency", "attention_efficiency")
 INPLACE_FREE = ("inplace_kernel_gap_s", "flat_gemm_efficiency", "flat_gemm_m_exponent", "split_k_efficiency")
+QUANT_FREE = ("quant_glue_kernel_s",)
 
 
 def gpu(name: str, constants: str = "published") -> GPUSpec:
     """A GPU spec; `constants="fitted"` takes the free constants from rdu/fitted.json (fitted to our
-    H200 rows: "gpu" for the XLA modes, "gpu_inplace" for looped_inplace; also used for the H100)."""
+    H200 rows: "gpu" for the XLA modes, "gpu_inplace" for looped_inplace, "gpu_quant" for its quantized
+    layers; also used for the H100)."""
     _check_constants(constants)
     try:
         spec = GPUS[name.lower()]
@@ -371,7 +381,8 @@ def gpu(name: str, constants: str = "published") -> GPUSpec:
         return spec
     rec = load_fitted()
     c = dict(rec["gpu"]["fitted"], **rec.get("gpu_inplace", {}).get("fitted", {}))
-    keys = [k for k in GPU_FREE + INPLACE_FREE if k in c]
+    c.update(rec.get("gpu_quant", {}).get("fitted", {}))
+    keys = [k for k in GPU_FREE + INPLACE_FREE + QUANT_FREE if k in c]
     note = "fitted (rdu/fitted.json) to our H200 rows; published: "
     return replace(
         spec,

@@ -180,6 +180,12 @@ def roofline_pct(e: Estimate, m) -> float:
     return 100.0 * roofline_bytes(m) / (m.sockets * PEAK_16) / e.per_token_s
 
 
+def stream_pct(e: Estimate, m, peak: float) -> float:
+    """Bytes one socket streams per token over the step time, as % of `peak` bytes/s: the streaming
+    invariant's quantity (<= 85% of the HBM bandwidth it is read against)."""
+    return 100.0 * sum(k.calls * k.iterations * socket_bytes(k, m) for k in m.kernels) / e.per_token_s / peak
+
+
 def kl_speedups(hw: RDUSpec) -> dict[tuple[str, int, int], float]:
     out = {}
     for name, p, b in KL_GRID:
@@ -278,11 +284,14 @@ def evaluate(constants: str = "fitted") -> list[dict]:
         for p in (8, 16):
             value[f"roofline_{short}_{p}"] = roofline_pct(est[(n, p)], runs[(n, p)])
     step = runtime_step_s(gpu("h100", constants))
+    e8, m8 = est[("llama-3.1-8b", 8)], runs[("llama-3.1-8b", 8)]
     notes = {
         "dgx_tok_s": f"kernels {1e3 * (dgx.per_token_s - step):.2f} ms + runtime {1e3 * step:.2f} ms; "
         f"kernels alone {1 / (dgx.per_token_s - step):.0f} tok/s",
         "sn40l16_vs_dgx": f"{roofline_pct(est[('llama-3.1-8b', 16)], runs[('llama-3.1-8b', 16)]):.1f}% of roofline",
-        "sn40l8_vs_dgx": f"{roofline_pct(est[('llama-3.1-8b', 8)], runs[('llama-3.1-8b', 8)]):.1f}% of roofline",
+        "sn40l8_vs_dgx": f"{roofline_pct(e8, m8):.1f}% of roofline; streams {stream_pct(e8, m8, hw.hbm_bw):.1f}% "
+        f"of {hw.hbm_bw / 1e12:.1f} TB/s a socket, {stream_pct(e8, m8, PEAK_16):.1f}% of the roofline's 1.6 "
+        "(docs/rdu.md)",
         "kl_max": "at {} x{} bs{}".format(*max(speed, key=speed.get)),
     }
     out = []

@@ -37,6 +37,7 @@ the "xla" ones (train/held-out split in rdu.anchors.INPLACE_ROWS, plus leave-one
   sn40l.py    the SN40L model in jnp (`rdu_time`), its features and fit
   gpu.py      the GPU modes xla, eager, scan_copy, fixed in jnp (`gpu_time`), features and fit
   inplace.py  the looped_inplace mode in jnp (`inplace_time`), its fit and leave-one-out
+  quant.py    the quantized rows of looped_inplace: one constant solved on one row, the rest held out
   run.py      all fits, the per-row table and the record of rdu/fitted.json
 
     python -m rdu.fit            # fit, print the table, write rdu/fitted.json

@@ -12,6 +12,7 @@ from rdu.anchors import DGX_ROW, H200_ROWS
 from rdu.fit.common import PRIOR_WEIGHT, err_pct, summarize
 from rdu.fit.gpu import fit_gpu, gpu_constants, gpu_row_features, gpu_time
 from rdu.fit.inplace import run_inplace
+from rdu.fit.quant import run_quant
 from rdu.fit.sn40l import PRIOR_SIGMA, fit_sn40l, rdu_constants, sn40l_configs, sn40l_predictions
 from rdu.hardware import FITTED_PATH, H100, H200, SN40L_FITTED, sn40l
 from rdu.targets import IN_SAMPLE, TARGETS, runtime_step_s
@@ -122,6 +123,9 @@ def run_fit(steps: int = 600) -> dict:
     inplace = run_inplace(gpu_fit, steps=steps)
     rows += inplace.pop("rows")
     summary.update(inplace.pop("summary"))
+    quant = run_quant(gpu_fit, inplace["fitted"])
+    rows += quant.pop("rows")
+    summary.update(quant.pop("summary"))
     return {
         "what": "free constants of the rdu cost model, fitted with optax Adam on log/logit parameters",
         "loss": f"mean squared log error over the train rows + {PRIOR_WEIGHT:g} x sum (free param - published)^2",
@@ -150,6 +154,7 @@ def run_fit(steps: int = 600) -> dict:
             "held_out_rows": [r.what for r in H200_ROWS if r.split == "test"],
         },
         "gpu_inplace": inplace,
+        "gpu_quant": quant,
         "rows": rows,
         "summary": summary,
     }
@@ -180,7 +185,7 @@ def format_record(rec: dict) -> str:
                 else ""
             )
         )
-    for grp in ("sn40l", "gpu", "gpu_inplace"):
+    for grp in ("sn40l", "gpu", "gpu_inplace", "gpu_quant"):
         keys = rec[grp].get("fitted_keys", rec[grp]["fitted"])
         lines.append(
             f"{grp} constants: "
