@@ -1,15 +1,19 @@
-"""Check and time kernels/quant_gemm.py on one GPU against bf16 flat GEMM, XLA and torch's tinygemm.
+"""Check and time the quantized GEMMs (kernels/quant_gemm.py, kernels/quant_gemm_stream.py) on one GPU
+against bf16 flat GEMM, XLA and torch's tinygemm.
 
   JAX_PLATFORMS=cuda python benchmarks/quant_gemm_bench.py --out $OUT/quant_gemm.json [--quick]
   python benchmarks/quant_gemm_bench.py --dry-run   # the CPU: interpret mode, tiny shapes
 
 In one process:
-(a) compiled correctness of every `QuantBlocks` variant against `quant_gemm_reference` on a small
+(a) compiled correctness of every variant (`QuantBlocks`: the tile-per-CTA kernel; `QuantStreamBlocks`:
+    the Stream-K warp-specialized one) against `quant_gemm_reference` on a small
     shape (int4 G=128 f32 scales, int4 G=32 f16 scales with offsets, int8 G=128 bf16 scales); a
     variant that fails to lower prints its error's first line and the run goes on;
 (b) time per call for the Llama-3.1-8B projections (N, K) = q/o (4096, 4096), k/v (1024, 4096),
     gate/up (14336, 4096), down (4096, 14336) at M = 1 and 8: int4 G=128 f32 scales and offsets
-    (`--quantize int4`'s format, every variant), int8 G=128 f32 scales, bf16 `flat_gemm` (mosaic) and a
+    (`--quantize int4`'s format, every variant), int8 G=128 f32 scales, the fused widths the decode
+    hands to one stream launch (q·k·v: N = 4096 + 1024 + 1024; gate/up: 2 × 14336; stream variants
+    only), bf16 `flat_gemm` (mosaic) and a
     plain XLA bf16 dot (which copies W[l] out of the stack). Each timed jit makes L = 32 calls, one per
     stacked layer, unrolled, with traced layer indices (kernels back to back as in a CUDA graph, the
     way torch's row is timed); µs per call = median over runs of the jit's wall time / L ("wall",
@@ -44,23 +48,26 @@ from jax import lax  # noqa: E402
 
 from kernels import flat_gemm as fg  # noqa: E402
 from kernels import quant_gemm as qg  # noqa: E402
+from kernels import quant_gemm_stream as qs  # noqa: E402
 
 LAYERS = 32
 SHAPES = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "down": (4096, 14336)}  # (N, K)
 MS = (1, 8)
 GROUP = 128
-VARIANTS = {  # name: QuantBlocks; the first is the default ("w" for int4 with offsets, "acc" for int8)
-    "default": qg.QuantBlocks(),
-    "w_ctas264": qg.QuantBlocks(scale_in="w", target_ctas=264),  # two CTAs per SM where N allows
-    "w_n64_ctas264": qg.QuantBlocks(scale_in="w", tile_n=64, target_ctas=264),
-    "w_stages6": qg.QuantBlocks(scale_in="w", max_concurrent_steps=6),
-    "w_k512_ctas264": qg.QuantBlocks(scale_in="w", tile_k=512, target_ctas=264),
-    "acc_offsets_xla": qg.QuantBlocks(scale_in="acc"),  # int4: offsets through the wrapper's XLA dot
+FUSED = {"qkv": ((4096, 1024, 1024), 4096), "gate+up": ((14336, 14336), 4096)}  # (N_i, K): one launch each
+VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K); the first is the engine's
+    "stream": qs.QuantStreamBlocks(),
+    "stream_1wg": qs.QuantStreamBlocks(tile_n=64, compute_wgs=1),
+    "stream_k512": qs.QuantStreamBlocks(tile_k=512),
+    "stream_s8": qs.QuantStreamBlocks(stages=8),
+    "stream_n256": qs.QuantStreamBlocks(tile_n=256),
+    "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
-INT8_VARIANTS = ("default", "w_ctas264", "w_stages6")
+INT8_VARIANTS = ("stream", "stream_k512", "tile")
 RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,
+    fused=FUSED,
     runs=20,
     warmup=3,
     interpret=False,
@@ -83,11 +90,17 @@ def first_line(e: Exception) -> str:
 
 def dry_mode():
     """Tiny shapes through Mosaic GPU's interpreter on the CPU: checks the script, not the speed."""
-    small = lambda c: dataclasses.replace(c, tile_n=64, tile_k=min(c.tile_k, 128))
+
+    def small(c):
+        if isinstance(c, qs.QuantStreamBlocks):
+            return dataclasses.replace(c, tile_n=64 * c.compute_wgs, tile_k=min(c.tile_k, 128), ctas=8)
+        return dataclasses.replace(c, tile_n=64, tile_k=min(c.tile_k, 128))
+
     VARIANTS.update({name: small(c) for name, c in VARIANTS.items()})
     RUN.update(
         layers=2,
         shapes={"tiny": (128, 256)},
+        fused={"tiny2": ((128, 128), 256)},
         runs=1,
         warmup=0,
         interpret=True,
@@ -159,6 +172,17 @@ def read_ceiling() -> float:
     return x.nbytes / statistics.median(ts) / 1e9
 
 
+def quant_op(cfg, group: int = GROUP, interpret: bool = False):
+    """gemm(x, layer, codes, scales, *offsets) -> [M, N] with one weight, for either kernel family."""
+    if isinstance(cfg, qs.QuantStreamBlocks):
+        return lambda x, l, c, s, *o: qs.quant_gemm_multi(
+            x, ((c, s, o[0] if o else None),), l, group=group, block_sizes=cfg, interpret=interpret
+        )[0]
+    return lambda x, l, c, s, *o: qg.quant_gemm(
+        x, c, s, o[0] if o else None, l, group=group, block_sizes=cfg, interpret=interpret
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # (a) correctness of every variant
 
@@ -180,16 +204,8 @@ def check_variants() -> list[dict]:
         for vname, cfg in VARIANTS.items():
             row = dict(case=cname, variant=vname)
             try:
-                y = qg.quant_gemm(
-                    x,
-                    codes,
-                    scales,
-                    offsets,
-                    jnp.int32(layers - 1),
-                    group=group,
-                    block_sizes=cfg,
-                    interpret=RUN["interpret"],
-                )
+                arrays = (codes, scales) + (() if offsets is None else (offsets,))
+                y = quant_op(cfg, group, RUN["interpret"])(x, jnp.int32(layers - 1), *arrays)
                 err = np.abs(np.asarray(y, np.float32) - ref)
                 # bf16 rounding of ~N(0, 1) outputs, plus the "w" variant's bf16 weights (see the tests)
                 row.update(max_abs_err=float(err.max()), ok=bool(np.isfinite(err).all() and err.max() < 0.06))
@@ -294,9 +310,7 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
             for m in MS:
                 nbytes = quant_bytes(m, n, k, bits, GROUP, 8 if with_offsets else 4)
                 for name in names:
-                    gemm = lambda x, l, c, s, *o, cfg=VARIANTS[name]: qg.quant_gemm(
-                        x, c, s, o[0] if o else None, l, group=GROUP, block_sizes=cfg, interpret=interp
-                    )
+                    gemm = quant_op(VARIANTS[name], GROUP, interp)
                     arrays = (codes, scales) + ((offsets,) if with_offsets else ())
                     attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, arrays, n, k)
             del codes, scales, offsets
@@ -311,6 +325,32 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
             attempt_time(shape, m, "bf16", "xla_dot", nbytes, ceiling, xla, (w,), n, k)
         del w
         gc.collect()
+    time_fused(ceiling, variants)
+
+
+def time_fused(ceiling: float, variants: dict) -> None:
+    """The stream variants on the fused widths: one launch for several weights sharing x."""
+    layers, interp = RUN["layers"], RUN["interpret"]
+    for i, (shape, (ns, k)) in enumerate(RUN["fused"].items()):
+        for cdt in (jnp.int4, jnp.int8):
+            with_offsets = cdt == jnp.int4
+            keys = jax.random.split(jax.random.key(200 + i), len(ns))
+            weights = [quant_inputs(kk, layers, n, k, cdt, GROUP, jnp.float32, with_offsets) for kk, n in zip(keys, ns)]
+            bits = jnp.iinfo(cdt).bits
+            for m in MS:
+                nbytes = sum(quant_bytes(m, n, k, bits, GROUP, 8 if with_offsets else 4) for n in ns) - 2 * m * k * (
+                    len(ns) - 1
+                )  # x is read once
+                for name, cfg in variants.items():
+                    if not isinstance(cfg, qs.QuantStreamBlocks) or (cdt == jnp.int8 and name not in INT8_VARIANTS):
+                        continue
+
+                    def gemm(x, l, *ws, cfg=cfg):
+                        return qs.quant_gemm_multi(x, ws, l, group=GROUP, block_sizes=cfg, interpret=interp)
+
+                    attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, tuple(weights), sum(ns), k)
+            del weights
+            gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +434,7 @@ def main(argv=None) -> dict:
         layers=RUN["layers"],
         group=GROUP,
         dry_run=RUN["dry"],
-        variants={name: dataclasses.asdict(c) for name, c in VARIANTS.items()},
+        variants={name: dict(kernel=type(c).__name__, **dataclasses.asdict(c)) for name, c in VARIANTS.items()},
         rows=ROWS,
     )
 

@@ -47,7 +47,17 @@ from jaxdecode.looping import (
     takes_split_sums,
 )
 from jaxdecode.model import Hook, Transformer
-from kernels import allreduce, decode_attention, dispatch, flat_gemm, flat_gemm_stream, qkv_rope, quant_gemm, rms_norm
+from kernels import (
+    allreduce,
+    decode_attention,
+    dispatch,
+    flat_gemm,
+    flat_gemm_stream,
+    qkv_rope,
+    quant_gemm,
+    quant_gemm_stream,
+    rms_norm,
+)
 
 # Argument and output positions of `forward` below that the plan packs.
 _PARAMS, _K, _V = 0, 3, 4
@@ -114,6 +124,28 @@ def kernel_stacked_dot(
     return flat_gemm.flat_gemm(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
 
 
+def _quantized_weights(refs, count: int):
+    """The leaves of `count` quantized weights as the hooks receive them (codes, scales(, offsets) each,
+    `StackedRef`s of [L, N, K] and [L, K/G, N] stacks), grouped per weight; None for anything else
+    (dense weights, biases among the leaves, weights whose formats differ in their arrays)."""
+    if not refs or len(refs) % count or not all(isinstance(r, StackedRef) and r.stack.ndim == 3 for r in refs):
+        return None
+    per = len(refs) // count
+    weights = [tuple(refs[i : i + per]) for i in range(0, len(refs), per)]
+    if per not in (2, 3) or any(not jnp.issubdtype(w[0].stack.dtype, jnp.integer) for w in weights):
+        return None
+    return weights
+
+
+def _on_hopper_16bit(x) -> bool:
+    return dispatch.gpu_kind() in ("H100", "H200") and x.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def _stream_arrays(weights):
+    """(codes, scales, offsets or None) stacks per weight, for `kernels.quant_gemm_stream`."""
+    return tuple((w[0].stack, w[1].stack, w[2].stack if len(w) == 3 else None) for w in weights)
+
+
 @outside_runs
 def kernel_quant_dot(
     x,
@@ -122,14 +154,17 @@ def kernel_quant_dot(
     *offsets,
     impl: str | None = None,
     block_sizes: quant_gemm.QuantBlocks = quant_gemm.QuantBlocks(),
+    stream_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
     interpret: bool = False,
 ):
     """The `stacked_calls["quant_dot"]` hook: x [..., K] times layer i of a quantized weight stack, codes
-    [L, N, K] and scales (offsets) [L, K/G, N] read in place by `kernels.quant_gemm`; outside the looped
-    runs, a plain quantized weight (codes [N, K]: the output projection). Returns [y [..., N]], or None
-    (the call then runs as written: XLA dequantizes and dots): off Hopper, activations that are not
-    16-bit, M past the kernel's 256, or shapes it does not tile. An explicit `impl` (tests: "mosaic"
-    with `interpret=True`) skips the device and dtype checks, not the tiling."""
+    [L, N, K] and scales (offsets) [L, K/G, N] read in place; outside the looped runs, a plain quantized
+    weight (codes [N, K]: the output projection). impl "stream" (the default for M <= 64 on Hopper:
+    `kernels.quant_gemm_stream`, every SM busy to the end) or "mosaic" (`kernels.quant_gemm`, one tile
+    per CTA, M up to 256). Returns [y [..., N]], or None (the call then runs as written: XLA
+    dequantizes and dots): off Hopper, activations that are not 16-bit, M past the kernels' limits, or
+    shapes they do not tile. An explicit `impl` (tests: with `interpret=True`) skips the device and
+    dtype checks, not the tiling."""
     refs = (codes, scales, *offsets)
     stacked = all(isinstance(r, StackedRef) for r in refs)
     plain = not any(isinstance(r, StackedRef) for r in refs) and codes.ndim == 2
@@ -141,26 +176,55 @@ def kernel_quant_dot(
     m = int(np.prod(lead, dtype=int))
     n, groups = arrays[0].shape[-2], arrays[1].shape[-2]
     if impl is None:
-        if dispatch.gpu_kind() not in ("H100", "H200") or x.dtype not in (jnp.bfloat16, jnp.float16):
+        if not _on_hopper_16bit(x):
             return None
-        impl = "mosaic"
+        impl = "stream" if m <= quant_gemm_stream.MAX_M else "mosaic"
     if m > dispatch.MOSAIC_MAX_M:
         return None
+    weight = (arrays[0], arrays[1], arrays[2] if offsets else None)
     try:
-        y = quant_gemm.quant_gemm(
-            x.reshape(m, k),
-            arrays[0],
-            arrays[1],
-            arrays[2] if offsets else None,
-            index,
-            group=k // groups,
-            impl=impl,
-            block_sizes=block_sizes,
-            interpret=interpret,
-        )  # [M, N]
+        if impl == "stream":
+            (y,) = quant_gemm_stream.quant_gemm_multi(
+                x.reshape(m, k), (weight,), index, group=k // groups, block_sizes=stream_blocks, interpret=interpret
+            )  # [M, N]
+        else:
+            y = quant_gemm.quant_gemm(
+                x.reshape(m, k),
+                *weight,
+                index,
+                group=k // groups,
+                impl=impl,
+                block_sizes=block_sizes,
+                interpret=interpret,
+            )  # [M, N]
     except quant_gemm.UntiledShape:  # a shape or dtype the kernel does not tile: XLA runs the call
         return None
     return [y.reshape(*lead, n)]
+
+
+def _kernel_swiglu_quantized(x, weights, impl, blocks, interpret):
+    """`kernel_swiglu` for quantized gate and up: one `quant_gemm_multi` launch (x read once, both
+    stacks in place), then silu(g)·u in f32, rounded once. None where the kernel declines."""
+    if impl is None and not _on_hopper_16bit(x):
+        return None
+    if impl not in (None, "stream"):
+        return None
+    *lead, d = x.shape
+    m = int(np.prod(lead, dtype=int))
+    group = d // weights[0][1].stack.shape[1]
+    try:
+        g, u = quant_gemm_stream.quant_gemm_multi(
+            x.reshape(m, d),
+            _stream_arrays(weights),
+            weights[0][0].index,
+            group=group,
+            out_dtype=jnp.float32,
+            block_sizes=blocks,
+            interpret=interpret,
+        )  # [M, F] each
+    except quant_gemm.UntiledShape:
+        return None
+    return [(jax.nn.silu(g) * u).astype(x.dtype).reshape(*lead, g.shape[-1])]
 
 
 def _stream_blocks(block_sizes: flat_gemm.BlockSizes) -> flat_gemm_stream.StreamBlocks:
@@ -175,6 +239,7 @@ def kernel_swiglu(
     *quantized,
     impl: str | None = None,
     block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(),
+    quant_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
     interpret: bool = False,
 ):
     """The `stacked_calls["swiglu"]` hook: `model.swiglu` as one `kernels.flat_gemm_swiglu` call that
@@ -182,9 +247,14 @@ def kernel_swiglu(
     elementwise product). x [..., D]; w_gate, w_up `StackedRef`s of [L, D, F] stacks. Returns
     [y [..., F]], or None (then the two dots go through `kernel_stacked_dot` one by one). The
     kernel computes silu·mul in f32 before one rounding; the model rounds g and u first. Quantized
-    weights arrive as more arguments (codes, scales): declined, their dots go to `kernel_quant_dot`.
+    weights arrive as their leaves (codes, scales(, offsets) each): both go to one
+    `kernels.quant_gemm_stream` launch (impl None on Hopper, or "stream"); where it declines, their
+    dots go to `kernel_quant_dot` one by one.
     """
-    if quantized or not (isinstance(w_gate, StackedRef) and isinstance(w_up, StackedRef)):
+    if quantized:
+        weights = _quantized_weights((w_gate, w_up, *quantized), 2)
+        return None if weights is None else _kernel_swiglu_quantized(x, weights, impl, quant_blocks, interpret)
+    if not (isinstance(w_gate, StackedRef) and isinstance(w_up, StackedRef)):
         return None
     d, f = w_gate.stack.shape[1:]
     lead = x.shape[:-1]
@@ -287,6 +357,7 @@ def kernel_qkv_attend(
     partials=None,
     gemm_blocks: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
     attention_blocks: decode_attention.BlockSizes = decode_attention.BlockSizes(),
+    quant_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
     interpret: bool = False,
 ):
     """The `stacked_calls["qkv_attend"]` hook: `model.qkv_attend` for one new token per sequence as three
@@ -304,11 +375,17 @@ def kernel_qkv_attend(
     impl=None, where `kernels.dispatch` picks XLA or the async attention kernel. `partials(x [M, D],
     stacks, layer) -> (partials, schedule)` defaults to `flat_gemm_stream.stream_partials`; tests inject
     a jnp stand-in and pass impl="stream" (which skips the dispatch and 16-bit checks, not the tiling).
+
+    Quantized weights arrive as their leaves (codes, scales(, offsets) each, no biases): the q·k·v GEMM
+    is then `kernels.quant_gemm_stream` (`quant_blocks`), whose partials have the same layout.
     """
     if impl not in (None, "stream"):
         raise ValueError(f"kernel_qkv_attend impl must be None or 'stream', got {impl!r}")
     weights = (w_q, w_k, w_v)
     refs = (*weights, *biases)
+    quantized = _quantized_weights(refs, 3)
+    if quantized is not None:
+        weights, biases = tuple(w[0] for w in quantized), ()  # the codes stand for their weights below
     if (
         not all(isinstance(w, StackedRef) for w in refs)
         or len(biases) not in (0, 3)
@@ -319,22 +396,35 @@ def kernel_qkv_attend(
         return None
     batch, tokens, d = x.shape
     kv_heads, head_dim = k_cache.stack.shape[-2:]
-    widths = [w.stack.shape[2] for w in weights]  # N*H, K*H, K*H
+    widths = [w.stack.shape[1 if quantized else 2] for w in weights]  # N*H, K*H, K*H
     heads = widths[0] // head_dim
-    if tokens != 1 or any(a.stack.dtype != x.dtype for a in (*refs, k_cache, v_cache)):
+    dense = () if quantized else refs  # quantized arrays have their own dtypes
+    if tokens != 1 or any(a.stack.dtype != x.dtype for a in (*dense, k_cache, v_cache)):
         return None
     group = heads // kv_heads
     rows = decode_attention.query_rows(1, group)  # q's rows per kv head, as the attention kernel lays them out
-    if not _qkv_stream_fits(batch, d, widths, x.dtype, gemm_blocks, dispatched=impl is None) or not qkv_rope.fits(
-        heads, kv_heads, head_dim, gemm_blocks.tile_n, rows
-    ):
+    if quantized:
+        tile_n = quant_blocks.tile_n
+        fits = (impl is not None or _on_hopper_16bit(x)) and batch <= quant_gemm_stream.MAX_M
+        if partials is None:
+            group_size = d // quantized[0][1].stack.shape[1]
+            partials = lambda x2, _, layer: quant_gemm_stream.quant_stream_partials(  # noqa: E731
+                x2, _stream_arrays(quantized), layer, group=group_size, cfg=quant_blocks, interpret=interpret
+            )
+    else:
+        tile_n = gemm_blocks.tile_n
+        fits = _qkv_stream_fits(batch, d, widths, x.dtype, gemm_blocks, dispatched=impl is None)
+    if not fits or not qkv_rope.fits(heads, kv_heads, head_dim, tile_n, rows):
         return None
     q_spec = jax.ShapeDtypeStruct((batch, 1, heads, head_dim), x.dtype)
     if _attention_impl(q_spec, k_cache, v_cache, "sync" if impl else None, attention_blocks) != "sync":
         return None
     if partials is None:
         partials = functools.partial(flat_gemm_stream.stream_partials, cfg=gemm_blocks, interpret=interpret)
-    parts, sched = partials(x.reshape(batch, d), tuple(w.stack for w in weights), w_q.index)
+    try:
+        parts, sched = partials(x.reshape(batch, d), tuple(w.stack for w in weights), weights[0].index)
+    except quant_gemm.UntiledShape:  # the quantized kernel does not tile these weights
+        return None
     q_rows, k_stack, v_stack = qkv_rope.qkv_rope_write(
         parts,
         sched.written(),
@@ -346,7 +436,7 @@ def kernel_qkv_attend(
         k_cache.index,
         tuple(b.stack for b in biases),
         heads=heads,
-        tile_n=gemm_blocks.tile_n,
+        tile_n=tile_n,
         rows=rows,
         interpret=interpret,
     )

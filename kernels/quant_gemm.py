@@ -77,34 +77,36 @@ class QuantBlocks:
         return dataclasses.replace(self, scale_in="w" if has_offsets else "acc")
 
 
-def _bits(dtype) -> int:
+def code_bits(dtype) -> int:
     return jnp.iinfo(dtype).bits
 
 
-def _transforms(minor_elems: int, bits: int):
+def smem_transforms(minor_elems: int, bits: int):
     """Tile and swizzle a 2D SMEM tile by `minor_elems` (one group's row) so a group is whole tiles."""
     swizzle = min(128, minor_elems * bits // 8)
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _chunk(gw: int, bits: int) -> int:
+def load_width(gw: int, bits: int) -> int:
     """Codes columns per SMEM load: one group, or more where a group's row is under Mosaic GPU's
     smallest swizzle (32 bytes: int4 G = 32 loads two groups and slices them apart in registers)."""
     return max(gw, 256 // bits)
 
 
-def _tile_k_ok(tile_k: int, group: int, bits: int) -> bool:
+def tile_k_fits(tile_k: int, group: int, bits: int) -> bool:
     """tile_k holds whole groups or lies inside one; a group's columns in a step fill the upcast
     layouts' column tiles (128 bits); the codes load in whole chunks."""
     gw = min(group, tile_k)
-    return (tile_k % group == 0 or group % tile_k == 0) and gw % (128 // bits) == 0 and tile_k % _chunk(gw, bits) == 0
+    return (
+        (tile_k % group == 0 or group % tile_k == 0) and gw % (128 // bits) == 0 and tile_k % load_width(gw, bits) == 0
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Kernel body
 
 
-def _mma(acc, w, x_t, interpret: bool):
+def mma_from_registers(acc, w, x_t, interpret: bool):
     """acc [tile_n, M8] += w [tile_n, gw] (registers) · x_t [gw, M8] (SMEM). Mosaic GPU's interpreter
     takes wgmma operands from SMEM only, so there (alone) w goes through an SMEM buffer first."""
     if not interpret:
@@ -140,8 +142,8 @@ def _kernel(
     ni, si = lax.axis_index("n"), lax.axis_index("k")
     gw = min(group, tile_k)  # columns of one group inside a step
     gps = tile_k // gw  # groups per step
-    bits = _bits(codes_gmem.dtype)
-    cw = _chunk(gw, bits)  # codes columns loaded from SMEM at once: whole swizzle tiles
+    bits = code_bits(codes_gmem.dtype)
+    cw = load_width(gw, bits)  # codes columns loaded from SMEM at once: whole swizzle tiles
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     row = plgpu.Layout.WGMMA.reduce(1)  # a [tile_n] vector along the accumulator's rows
 
@@ -162,8 +164,8 @@ def _kernel(
     # rows of the scales (offsets) tile: its gps groups, or the one group (G > tile_k) that step t lies in
     group_rows = plgpu.BlockSpec((gps, tile_n), lambda k: ((t0 + k) * tile_k // (gps * group), ni))
     specs = [
-        plgpu.BlockSpec((m8, tile_k), lambda k: (0, t0 + k), transforms=_transforms(gw, 16)),
-        plgpu.BlockSpec((tile_n, tile_k), lambda k: (ni, t0 + k), transforms=_transforms(cw, bits)),
+        plgpu.BlockSpec((m8, tile_k), lambda k: (0, t0 + k), transforms=smem_transforms(gw, 16)),
+        plgpu.BlockSpec((tile_n, tile_k), lambda k: (ni, t0 + k), transforms=smem_transforms(cw, bits)),
         group_rows,
     ] + [group_rows] * len(offsets_gmem)
     # views: layer l read in place
@@ -176,7 +178,7 @@ def _kernel(
             for g, w in groups(c_smem):
 
                 def part_scope(acc):
-                    _mma(acc, w, x_cols(x_smem, g), interpret)  # accᵀ = codesᵀ · xᵀ of one group
+                    mma_from_registers(acc, w, x_cols(x_smem, g), interpret)  # accᵀ = codesᵀ · xᵀ of one group
                     plgpu.wgmma_wait(0)
                     return acc[...]
 
@@ -198,7 +200,7 @@ def _kernel(
                     w = w * lax.broadcast_in_dim(s, w.shape, [0])
                     if o_smem:
                         w = w + lax.broadcast_in_dim(scale(o_smem[0], g).astype(cdt), w.shape, [0])
-                    _mma(acc, w, x_cols(x_smem, g), interpret)
+                    mma_from_registers(acc, w, x_cols(x_smem, g), interpret)
                 plgpu.wgmma_wait(0)  # the stage's buffers and registers are free when the step returns
 
             plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*gmems)
@@ -254,13 +256,13 @@ def _check(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None):
         raise UntiledShape(f"the mosaic quant GEMM takes M <= 256 (the wgmma N side), got M={m}")
     if cfg.tile_n % 64 or n % cfg.tile_n:
         raise UntiledShape(f"N={n} must be a multiple of tile_n={cfg.tile_n}, itself a multiple of 64")
-    bits = _bits(codes.dtype)
+    bits = code_bits(codes.dtype)
     if k % cfg.tile_k:
         raise UntiledShape(f"K={k} must be a multiple of tile_k={cfg.tile_k}")
-    if not _tile_k_ok(cfg.tile_k, group, bits):
+    if not tile_k_fits(cfg.tile_k, group, bits):
         raise UntiledShape(
             f"tile_k={cfg.tile_k} must be a multiple or divisor of G={group}; {codes.dtype} codes need min(G, "
-            f"tile_k) a multiple of {128 // bits} and tile_k a multiple of {_chunk(min(group, cfg.tile_k), bits)}"
+            f"tile_k) a multiple of {128 // bits} and tile_k a multiple of {load_width(min(group, cfg.tile_k), bits)}"
         )
 
 
@@ -269,7 +271,7 @@ def _mosaic_call(layer, x, codes, scales, offsets, group: int, cfg: QuantBlocks,
     m, k = x.shape  # x [M, K]
     n = codes.shape[1]  # codes [L, N, K]
     m8 = -(-m // 8) * 8
-    bits = _bits(codes.dtype)
+    bits = code_bits(codes.dtype)
 
     group_tiles = (scales,) if offsets is None else (scales, offsets)
 
@@ -279,7 +281,7 @@ def _mosaic_call(layer, x, codes, scales, offsets, group: int, cfg: QuantBlocks,
         return c.tile_k * (m8 * x.dtype.itemsize + c.tile_n * bits // 8) + rows
 
     # Large M: halve tile_k (while the halves still tile the groups) until two stages fit.
-    while 2 * stage_bytes(cfg) > cfg.smem_bytes and _tile_k_ok(cfg.tile_k // 2, group, bits):
+    while 2 * stage_bytes(cfg) > cfg.smem_bytes and tile_k_fits(cfg.tile_k // 2, group, bits):
         cfg = dataclasses.replace(cfg, tile_k=cfg.tile_k // 2)
     splits = flat_gemm.k_splits(n, k, cfg)
     steps = k // cfg.tile_k

@@ -1,0 +1,318 @@
+"""Stream-K flat GEMM over several quantized stacked weights, warp-specialized: the quantized decode GEMM.
+
+The weights are `kernels.quant_gemm`'s format (codes [L, N, K] int4 / int8, scales and optional
+offsets [L, K/G, N]; w = scales · codes + offsets) and the work is `kernels.flat_gemm_stream`'s:
+units (tile t of tile_n weight rows, k-step) laid out tile-major over all the weights of one call
+(q, k and v; gate and up; or one weight), each of C CTAs (C = the SM count) taking one contiguous,
+equal run of units through one pipeline that never restarts, and writing a tile's partial sum
+[tile_n, M8] f32 to one of P slots where its run crosses the tile's end. The schedule and the
+partials are `flat_gemm_stream`'s (`Schedule`, `combine`), so `kernels.qkv_rope`'s epilogue takes
+the quantized q·k·v partials as it takes the bf16 ones.
+
+Why a second design. The tile-per-CTA quantized kernel (`kernels/quant_gemm.py`) reads int4 codes at
+about 43% of the read ceiling: one warpgroup per CTA waits on each TMA stage, converts the codes in
+registers, waits on its wgmma, and only then releases the stage; the conversion and the waits sit
+on one instruction stream per SM, and N / tile_n tiles leave the last wave part empty. Here a CTA
+has three warpgroups: a memory warpgroup that only issues TMA copies, `stages` units ahead, and
+two compute warpgroups that each take half of a unit's rows (64 each: the wgmma M side), so two
+conversion streams run while the copies for later units are in flight, and every SM works to the
+end of the call. Per group of G columns a compute warpgroup loads its codes from SMEM in the
+layout Mosaic GPU upcasts from (WGMMA_UPCAST_4X / 2X), converts them to x's dtype (exact), scales
+and offsets them in registers (w = c · s + o, rounded to x's dtype: as `QuantBlocks(scale_in="w")`)
+and feeds them to wgmma as the LHS: yᵀ[rows, M8] += Wᵀ[rows, G] · xᵀ[G, M8]. A stage is released
+(a `consumed` barrier both compute warpgroups arrive on) once its wgmmas are done.
+
+All weights of one call share K, G and the dtypes of their codes, scales and offsets (or have none).
+Tested on the CPU through Mosaic GPU's interpreter, and lowered for CUDA on any host; compiled on Hopper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels import flat_gemm_stream, quant_gemm
+from kernels.quant_gemm import UntiledShape, code_bits, load_width, smem_transforms, tile_k_fits
+
+MAX_M = 64  # batch rows: the x tile and the accumulators grow with M8 (prefill goes elsewhere)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantStreamBlocks:
+    """Tunables. ctas=None: one CTA per SM of the device (132 on an H200)."""
+
+    tile_n: int = 128  # weight rows per unit; each compute warpgroup takes tile_n / compute_wgs of them
+    tile_k: int = 256  # reduction depth per unit: a multiple of G, or a divisor of it
+    stages: int = 4  # units in flight per CTA (>= 2); cut to what fits in smem_bytes
+    compute_wgs: int = 2  # 1 or 2 warpgroups converting codes and issuing wgmma
+    ctas: int | None = None
+    smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
+
+    def gemm_blocks(self) -> flat_gemm_stream.StreamBlocks:
+        """The same units as `flat_gemm_stream` lays them out (its `schedule` and `combine` apply)."""
+        return flat_gemm_stream.StreamBlocks(tile_n=self.tile_n, tile_k=self.tile_k, ctas=self.ctas)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The static shape of one call, derived once in the wrapper."""
+
+    sched: flat_gemm_stream.Schedule
+    tile_n: int
+    tile_k: int
+    group: int
+    stages: int
+    wgs: int
+    arrays: int  # arrays per weight: codes, scales (, offsets)
+
+    @property
+    def gw(self) -> int:  # columns of one group inside a unit
+        return min(self.group, self.tile_k)
+
+    @property
+    def group_rows(self) -> int:  # rows of the scales (offsets) tile: the unit's groups, or its one group
+        return max(1, self.tile_k // self.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+
+
+def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
+    """One CTA: units [c·R, min((c+1)·R, U)); warpgroups 0..wgs-1 compute, warpgroup `wgs` copies."""
+    sched = lay.sched
+    n_in = len(sched.tiles) * lay.arrays
+    weights = [refs[i : i + lay.arrays] for i in range(0, n_in, lay.arrays)]  # (codes, scales(, offsets)) each
+    o_gmem, x_smem, c_smem, *group_smems, out_smem, produced, consumed = refs[n_in : len(refs) - interpret]
+    w_stage = refs[-1] if interpret else None  # [wgs, rows, gw]: the interpreter's wgmma LHS (SMEM only)
+    m8 = x_smem.shape[1]  # x_smem [stages, M8, tile_k]
+    cdt = x_gmem.dtype
+    tile_n, tile_k, gw, wgs = lay.tile_n, lay.tile_k, lay.gw, lay.wgs
+    rows = tile_n // wgs  # rows of a unit per compute warpgroup
+    bits = code_bits(c_smem.dtype)
+    cw = load_width(gw, bits)  # codes columns per SMEM load: whole swizzle tiles
+    upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # a [rows] vector along the accumulator's rows
+    ks, per_cta = sched.ks, sched.units_per_cta
+    starts = np.cumsum((0,) + sched.tiles)  # first tile of each weight
+    layer = layer_gmem[0]
+    c = lax.axis_index("c")
+    wg = lax.axis_index("wg")
+    u0 = c * per_cta
+    u1 = lax.min(u0 + per_cta, sched.units)
+    nsteps = u1 - u0
+
+    def issue(j, slot):  # copy the unit of local step j into `slot`
+        u = u0 + j
+        t, kk = lax.div(u, ks), lax.rem(u, ks)
+        ksl = pl.ds(kk * tile_k, tile_k)
+        gsl = pl.ds(lax.div(kk * tile_k, lay.group * lay.group_rows) * lay.group_rows, lay.group_rows)
+        # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
+        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, m8), ksl], x_smem.at[slot], produced.at[slot])
+        for i, (codes, *groupwise) in enumerate(weights):
+
+            @pl.when((t >= starts[i]) & (t < starts[i + 1]))
+            def _():
+                nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
+                plgpu.copy_gmem_to_smem(codes.at[layer, nsl, ksl], c_smem.at[slot], produced.at[slot])
+                for a, a_smem in zip(groupwise, group_smems):
+                    plgpu.copy_gmem_to_smem(a.at[layer, gsl, nsl], a_smem.at[slot], produced.at[slot])
+
+    @pl.when(wg == wgs)
+    def _memory():
+        for j in range(lay.stages):  # prologue: the first `stages` units
+
+            @pl.when(j < nsteps)
+            def _():
+                issue(j, j)
+
+        def refill(j, carry):
+            slot = lax.rem(j, lay.stages)
+            plgpu.barrier_wait(consumed.at[slot])  # both compute warpgroups are done with unit j - stages
+            issue(j, slot)
+            return carry
+
+        lax.fori_loop(lay.stages, nsteps, refill, None)
+
+    def unit(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j
+        slot = lax.rem(j, lay.stages)
+        plgpu.barrier_wait(produced.at[slot])
+        c_rows = c_smem.at[slot, pl.ds(r0, rows)]  # [rows, tile_k]
+        for ci in range(tile_k // cw):
+            chunk = plgpu.load(c_rows.at[:, pl.ds(ci * cw, cw)], layout=upcast)  # [rows, cw]
+            chunk = plgpu.layout_cast(chunk, plgpu.Layout.WGMMA).astype(cdt)
+            for gj in range(cw // gw):
+                g = ci * (cw // gw) + gj  # group within the unit
+                w = chunk[:, gj * gw : (gj + 1) * gw]  # [rows, gw]
+                grow = g if lay.group <= tile_k else 0
+                s = plgpu.load(group_smems[0].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(cdt)
+                w = w * lax.broadcast_in_dim(s, w.shape, [0])
+                if len(group_smems) > 1:  # offsets
+                    o = plgpu.load(group_smems[1].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(cdt)
+                    w = w + lax.broadcast_in_dim(o, w.shape, [0])
+                x_t = x_smem.at[slot, :, pl.ds(g * gw, gw)].T  # [gw, M8]
+                if interpret:
+                    w_stage.at[wg][...] = w
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc, w_stage.at[wg], x_t)
+                else:
+                    plgpu.wgmma(acc, w, x_t)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(consumed.at[slot])
+
+    @pl.when(wg < wgs)
+    def _compute():
+        r0 = wg * rows
+        t_first = lax.div(u0, ks)
+
+        def segment(g, j_start):  # this CTA's part of tile t_first + g
+            t = t_first + g
+            j_end = lax.min((t + 1) * ks, u1) - u0
+
+            def run(acc):
+                lax.fori_loop(j_start, j_end, lambda j, carry: (unit(j, acc, r0), carry)[1], None)
+                return acc[...]
+
+            part = pl.run_scoped(run, plgpu.ACC((rows, m8), jnp.float32))  # [rows, M8]
+            buf = lax.rem(g, 2)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
+            out_smem.at[wg, buf][...] = part
+            plgpu.commit_smem()
+            p = c - lax.div(t * ks, per_cta)  # this CTA's slot in tile t
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, buf], o_gmem.at[p, pl.ds(t * tile_n + r0, rows)])
+            return j_end
+
+        segments = lax.div(u1 - 1, ks) - t_first + 1
+        lax.fori_loop(0, segments, segment, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel wrapper
+
+
+def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
+    """UntiledShape / ValueError with the numbers for what the kernel cannot take."""
+    m, k = x.shape
+    if not weights:
+        raise ValueError("quant_gemm_multi needs at least one weight")
+    first = weights[0]
+    for codes, scales, offsets in weights:
+        quant_gemm._check(x, codes, scales, offsets, group, None)
+        if [None if a is None else a.dtype for a in (codes, scales, offsets)] != [
+            None if a is None else a.dtype for a in first
+        ]:
+            raise UntiledShape(
+                "the weights of one call must share the codes', scales' and offsets' dtypes, got "
+                + ", ".join(f"{c.dtype}/{s.dtype}/{'-' if o is None else o.dtype}" for c, s, o in weights)
+            )
+    if x.dtype not in quant_gemm.X_DTYPES:
+        raise UntiledShape(f"the kernel takes bf16 or f16 x, got {x.dtype}")
+    if m > MAX_M:
+        raise UntiledShape(f"the quantized stream GEMM takes M <= {MAX_M}, got M={m}")
+    if cfg.compute_wgs not in (1, 2) or cfg.tile_n % (64 * cfg.compute_wgs):
+        raise UntiledShape(f"tile_n={cfg.tile_n} must be 64 rows per compute warpgroup ({cfg.compute_wgs})")
+    bits = code_bits(first[0].dtype)
+    ns = [c.shape[1] for c, _, _ in weights]
+    if k % cfg.tile_k or any(n % cfg.tile_n for n in ns):
+        raise UntiledShape(f"K={k} / N={ns} must be multiples of tile_k={cfg.tile_k} / tile_n={cfg.tile_n}")
+    if not tile_k_fits(cfg.tile_k, group, bits):
+        raise UntiledShape(f"tile_k={cfg.tile_k} does not tile G={group} for {first[0].dtype} codes")
+
+
+def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBlocks, interpret: bool = False):
+    """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are.
+    x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None)."""
+    weights = tuple(tuple(w) for w in weights)
+    _check(x, weights, group, cfg)
+    m, k = x.shape
+    m8 = -(-m // 8) * 8
+    codes0, scales0, offsets0 = weights[0]
+    bits = code_bits(codes0.dtype)
+    arrays = 2 if offsets0 is None else 3
+    gw = min(group, cfg.tile_k)
+    group_rows = max(1, cfg.tile_k // group)
+    sched = flat_gemm_stream.schedule(
+        k, tuple(c.shape[1] for c, _, _ in weights), cfg.gemm_blocks(), cfg.ctas or flat_gemm_stream.default_ctas()
+    )
+    rows = cfg.tile_n // cfg.compute_wgs
+    stage_bytes = cfg.tile_k * (m8 * x.dtype.itemsize + cfg.tile_n * bits // 8)
+    groupwise = [a for a in (scales0, offsets0) if a is not None]
+    stage_bytes += sum(group_rows * cfg.tile_n * a.dtype.itemsize for a in groupwise)
+    flush_bytes = cfg.compute_wgs * 2 * rows * m8 * 4
+    fit = (cfg.smem_bytes - flush_bytes) // stage_bytes
+    if fit < 2:
+        raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={cfg.smem_bytes} at M={m}")
+    stages = max(2, min(cfg.stages, fit))
+    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays)
+    scratch = (
+        plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),
+        plgpu.SMEM(
+            (stages, cfg.tile_n, cfg.tile_k), codes0.dtype, transforms=smem_transforms(load_width(gw, bits), bits)
+        ),
+        *(plgpu.SMEM((stages, group_rows, cfg.tile_n), a.dtype) for a in groupwise),
+        plgpu.SMEM((cfg.compute_wgs, 2, rows, m8), jnp.float32),
+        plgpu.Barrier(num_arrivals=1 + arrays, num_barriers=stages),  # produced: x and the weight's arrays
+        plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=stages),  # consumed: every compute warpgroup
+    )
+    if interpret:  # Mosaic GPU's interpreter takes wgmma operands from SMEM only, and scoped SMEM must be
+        # shared by all warpgroups: each compute warpgroup stages its converted codes in its own row
+        scratch += (plgpu.SMEM((cfg.compute_wgs, rows, gw), x.dtype),)
+    out = plgpu.kernel(
+        functools.partial(_kernel, lay=lay, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),
+        scratch_types=scratch,
+        grid=(sched.ctas,),
+        grid_names=("c",),
+        num_threads=cfg.compute_wgs + 1,
+        thread_name="wg",
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        x if flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
+        *(a for w in weights for a in w if a is not None),
+    )
+    return out, sched
+
+
+# ---------------------------------------------------------------------------------------------
+# Public op
+
+
+@functools.partial(jax.jit, static_argnames=("group", "out_dtype", "block_sizes", "interpret"))
+def quant_gemm_multi(
+    x: jax.Array,  # [M, K]
+    weights,  # tuple of (codes [L, N_i, K] or [N_i, K], scales [L, K/G, N_i] or [K/G, N_i], offsets or None)
+    layer: jax.Array | int | None = None,
+    *,
+    group: int,
+    out_dtype=None,
+    block_sizes: QuantStreamBlocks = QuantStreamBlocks(),
+    interpret: bool = False,
+):
+    """(x · dequantize(codes, scales, offsets)[layer] for each weight) in one launch, each [M, N_i] in
+    out_dtype (default x.dtype); f32 accumulation of weights rounded to x's dtype, one rounding at the end.
+
+    Equivalent to the following JAX code, up to that rounding of each scaled weight:
+
+      tuple(quant_gemm.quant_gemm_reference(x, c, s, o, layer, group=group, out_dtype=out_dtype)
+            for c, s, o in weights)
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    weights = tuple(tuple(w) for w in weights)
+    if all(w[0].ndim == 2 for w in weights):
+        weights = tuple(tuple(None if a is None else a[None] for a in w) for w in weights)
+        layer = 0
+    elif layer is None:
+        raise ValueError("stacked codes [L, N, K] need a layer index")
+    partials, sched = quant_stream_partials(x, weights, layer, group=group, cfg=block_sizes, interpret=interpret)
+    y = flat_gemm_stream.combine(partials, sched, block_sizes.tile_n, x.shape[0])  # [M, ΣN] f32
+    bounds = np.cumsum([w[0].shape[1] for w in weights])[:-1]
+    return tuple(part.astype(out_dtype) for part in jnp.split(y, bounds, axis=1))

@@ -1,0 +1,195 @@
+"""kernels/quant_gemm_stream.py against quant_gemm's reference: compiled on Hopper, interpreted on the CPU.
+
+Grid: int4 and int8 codes; G = 32, 128 and per-channel (G = K); with and without offsets; M = 1, 5, 8;
+one weight and three (q·k·v widths); one and two compute warpgroups; stacked (traced layer index) and
+unstacked; schedules whose tiles span several CTAs (several partial-sum slots). The interpreter runs
+the three warpgroups, their barriers, the TMA copies and the wgmmas (operands through SMEM there);
+a few Llama-sized calls are also lowered for CUDA on any host, which applies Mosaic GPU's layout and
+swizzle rules that the interpreter skips.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import flat_gemm_stream
+from kernels import quant_gemm as qg
+from kernels import quant_gemm_stream as qs
+
+ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_kind for s in ("H100", "H200"))
+# Outputs are ~N(0, 1). The kernel rounds every scaled (and offset) weight to bf16 (2^-9 relative, up
+# to three roundings) before f32 accumulation: an error of at most ~2^-8·σ(y) per output that averages
+# over K; 6σ of it. Both round the f32 sum to bf16 once (one ulp apart at most: 2^-7 relative).
+ATOL = 6 * 2.0**-8
+RTOL = 2.0**-7
+LAYERS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    m: int
+    codes: str  # "int4" | "int8"
+    group: int  # 0: per-channel (G = K)
+    ns: tuple[int, ...] = (256,)
+    offsets: bool = False
+    scales: str = "float32"
+    stacked: bool = True
+    wgs: int = 2
+    k: int = 512
+
+    @property
+    def g(self) -> int:
+        return self.group or self.k
+
+
+CASES = {
+    "int4_g128_m1_one": Case(1, "int4", 128),
+    "int4_g32_m5_qkv_offsets": Case(5, "int4", 32, ns=(256, 128, 128), offsets=True),
+    "int4_g128_m8_qkv_offsets_f16": Case(8, "int4", 128, ns=(256, 128, 128), offsets=True, scales="float16"),
+    "int8_g128_m1_qkv": Case(1, "int8", 128, ns=(256, 128, 128)),
+    "int8_perchannel_m8_one_wg": Case(8, "int8", 0, wgs=1),
+    "int4_g32_m1_unstacked_one_wg_offsets": Case(1, "int4", 32, offsets=True, stacked=False, wgs=1),
+    "int8_g32_m5_bf16scales_two": Case(5, "int8", 32, ns=(128, 384), scales="bfloat16"),
+}
+# 8 CTAs off the GPU; K = 512 is 4 units per tile, so tiles span two or three CTAs
+BLOCKS = qs.QuantStreamBlocks(tile_n=128, tile_k=128, stages=2, ctas=8)
+
+
+def _weight(key, case: Case, n: int):
+    """codes uniform over their range; scales (and offsets) sized so that y ~ N(0, 1)."""
+    ks = jax.random.split(key, 3)
+    cdt, hi = (jnp.int4, 8) if case.codes == "int4" else (jnp.int8, 128)
+    codes = jax.random.randint(ks[0], (LAYERS, n, case.k), -hi, hi, jnp.int32).astype(cdt)  # [L, N, K]
+    groups = case.k // case.g
+    unit = 1.0 / (hi / np.sqrt(3) * np.sqrt(case.k))  # 1 / (code rms · √K)
+    scales = (jax.random.uniform(ks[1], (LAYERS, groups, n), jnp.float32, 0.5, 1.5) * unit).astype(case.scales)
+    offsets = None
+    if case.offsets:  # Σ_g offsets · xsum: xsum ~ N(0, G)
+        offsets = (jax.random.normal(ks[2], (LAYERS, groups, n), jnp.float32) / np.sqrt(case.k)).astype(case.scales)
+    if not case.stacked:
+        return codes[0], scales[0], None if offsets is None else offsets[0]
+    return codes, scales, offsets
+
+
+def _inputs(case: Case, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 1 + len(case.ns))
+    x = jax.random.normal(keys[0], (case.m, case.k), jnp.float32).astype(jnp.bfloat16)
+    weights = tuple(_weight(kk, case, n) for kk, n in zip(keys[1:], case.ns))
+    return x, weights, (jnp.int32(LAYERS - 1) if case.stacked else None)
+
+
+def _close(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    diff = np.abs(out - ref)
+    ok = diff <= ATOL + RTOL * np.abs(ref)
+    assert ok.all(), f"max diff {diff.max():.3g}, mean {diff.mean():.3g}, |ref| max {np.abs(ref).max():.3g}"
+
+
+class TestQuantStream:
+    INTERPRET = False
+
+    def setup_method(self):
+        if not self.INTERPRET and not ON_HOPPER:
+            pytest.skip("compiled Mosaic GPU kernels need a Hopper GPU")
+
+    def _blocks(self, case: Case) -> qs.QuantStreamBlocks:
+        cfg = dataclasses.replace(BLOCKS, compute_wgs=case.wgs)
+        return cfg if self.INTERPRET else dataclasses.replace(cfg, ctas=None)
+
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_matches_reference(self, name):
+        case = CASES[name]
+        x, weights, layer = _inputs(case)
+        outs = qs.quant_gemm_multi(
+            x, weights, layer, group=case.g, block_sizes=self._blocks(case), interpret=self.INTERPRET
+        )
+        assert len(outs) == len(weights)
+        for out, (c, s, o) in zip(outs, weights):
+            assert out.dtype == jnp.bfloat16
+            _close(out, qg.quant_gemm_reference(x, c, s, o, layer, group=case.g))
+
+    def test_loop_over_layers_reads_each_layer(self):
+        """A fori_loop with a traced layer index, each layer's output feeding the next ([L, K, K] codes)."""
+        case = Case(8, "int4", 128, ns=(256,), k=256)
+        x, ((codes, scales, _),), _ = _inputs(case, seed=1)
+        cfg = self._blocks(case)
+
+        def run(gemm):
+            return jax.lax.fori_loop(0, LAYERS, lambda l, h: gemm(h, l), x)
+
+        out = run(
+            lambda h, l: qs.quant_gemm_multi(
+                h, ((codes, scales, None),), l, group=128, block_sizes=cfg, interpret=self.INTERPRET
+            )[0]
+        )
+        _close(out, run(lambda h, l: qg.quant_gemm_reference(h, codes, scales, None, l, group=128)))
+
+
+class TestQuantStreamInterpret(TestQuantStream):
+    INTERPRET = True
+
+    def test_every_written_slot_is_written(self):
+        """The interpreter's GMEM starts as NaN: a slot the schedule calls written but no CTA wrote shows up."""
+        case = CASES["int4_g32_m5_qkv_offsets"]
+        x, weights, layer = _inputs(case)
+        parts, sched = qs.quant_stream_partials(x, weights, layer, group=case.g, cfg=BLOCKS, interpret=True)
+        written = np.repeat(sched.written(), BLOCKS.tile_n, axis=1)  # [P, T·tile_n]
+        assert np.isfinite(np.asarray(parts)[written]).all()
+        assert sched.slots > 1  # the grid has tiles shared by CTAs
+
+
+LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K
+    "int4_g128_offsets_m1_qkv": (1, jnp.int4, 128, True, (4096, 1024, 1024)),
+    "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336)),
+    "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,)),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWERED))
+def test_lowers_for_hopper_on_any_host(name):
+    """Lowering for CUDA runs Mosaic GPU's layout, tiling and swizzle checks (which the interpreter
+    skips) down to its LLVM-level module, on a machine without a GPU."""
+    m, cdt, group, offsets, ns = LOWERED[name]
+    k, layers = 4096, 4
+    weights = tuple(
+        (
+            jax.ShapeDtypeStruct((layers, n, k), cdt),
+            jax.ShapeDtypeStruct((layers, k // group, n), jnp.float16),
+            jax.ShapeDtypeStruct((layers, k // group, n), jnp.float16) if offsets else None,
+        )
+        for n in ns
+    )
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    cfg = qs.QuantStreamBlocks(ctas=132)
+    op = lambda x, w, l: qs.quant_gemm_multi(x, w, l, group=group, block_sizes=cfg)
+    text = jax.jit(op).trace(x, weights, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in text.as_text()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(m=65),  # past MAX_M
+        dict(n2=96),  # a width not in whole tiles
+        dict(mixed=True),  # one weight with offsets, one without
+    ],
+)
+def test_untiled_shapes_are_refused_with_the_numbers(bad):
+    case = Case(bad.get("m", 1), "int4", 128, ns=(128, bad.get("n2", 128)), offsets=True)
+    x, weights, layer = _inputs(case)
+    if bad.get("mixed"):
+        weights = (weights[0], (weights[1][0], weights[1][1], None))
+    with pytest.raises(qs.UntiledShape, match=r"\d"):
+        qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=BLOCKS, interpret=True)
+
+
+def test_schedule_is_the_bf16_stream_kernels():
+    """The partials layout is flat_gemm_stream's, so its combine and the q·k·v epilogue apply."""
+    cfg = qs.QuantStreamBlocks(tile_n=128, tile_k=256, ctas=132)
+    ours = flat_gemm_stream.schedule(4096, (4096, 1024, 1024), cfg.gemm_blocks(), 132)
+    theirs = flat_gemm_stream.schedule(4096, (4096, 1024, 1024), flat_gemm_stream.StreamBlocks(128, 256), 132)
+    assert ours == theirs and ours.units == 48 * 16
