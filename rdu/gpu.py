@@ -34,10 +34,11 @@ this mode does not charge. Per layer it runs:
 
 and every kernel costs a fixed `inplace_kernel_gap_s` inside the per-layer graph: its own launch, ramp
 and drain (a small kernel costs about as much however few bytes it moves), not a gap between kernels.
-A quantized layer (int8/int4 inputs in the traced graph) runs other kernels: one quantized GEMM per
-projection, each its measured fixed cost plus its real bytes (codes and scales) at its measured share
-of the read ceiling, and the measured count of XLA glue kernels around them at `quant_glue_kernel_s`
-each (rdu.quantized holds those measurements); the output projection runs the same quantized kernel.
+A quantized layer (int8/int4 inputs in the traced graph) runs other kernels: four quantized GEMM
+launches (q·k·v as one, o, gate + up as one, down), each its measured fixed cost plus its real bytes
+(codes and scales) at its measured share of the read ceiling, and the measured count of the other
+kernels around them (the qkv_rope epilogue, attention, norms, XLA glue) at `quant_glue_kernel_s` each
+(rdu.quantized holds those measurements); the output projection runs the same quantized kernel.
 The layer time is kernels * that cost + max(memory, FLOPs / achieved rate) + all-reduces (tensor
 parallel, as the "xla" mode). Efficiencies are fractions of the spec peak, not of the jnp.sum read
 ceiling: in the bench suite each extra KV byte from 1k to 8k context (batch 8 and 32) costs less than

@@ -123,7 +123,7 @@ class GPUSpec(_Sourced):
     split_k_efficiency: float = 0.79  # split-K decode attention over the stacked cache
     inplace_kernel_gap_s: float = 3e-6  # fixed cost per kernel inside the per-layer CUDA graph
     p2p_allreduce_s: float = 5.0e-6  # our peer-to-peer all-reduce kernel (2 GPUs, B·D <= 8192), in the decode
-    quant_glue_kernel_s: float = 3e-6  # each XLA kernel of a quantized layer besides its GEMMs (rdu.quantized)
+    quant_glue_kernel_s: float = 3e-6  # each kernel of a quantized layer besides its GEMMs (rdu.quantized)
     # GPU mode "fixed" (a serving stack's kernels, e.g. TensorRT-LLM): each kernel's fixed cost beyond its
     # bytes at the read ceiling, measured on Hopper (our batch-1 step profile).
     gemm_kernel_s: float = 3.8e-6  # a weight-streaming GEMM/GEMV at M = 1: time = this + bytes / read_bw
@@ -292,9 +292,9 @@ H200 = GPUSpec(
         (
             "quant_glue_kernel_s",
             "prior: assumed 3 us, as inplace_kernel_gap_s; fitted (rdu.fit.quant) on one measured quantized "
-            "step, Llama-3.1-8B int4 batch 1 (benchmarks/results/2026-12-02/ab_quant_8b_h200.jsonl): the XLA "
-            "kernels between the quantized GEMMs (pads, split-K epilogues, transposes, RoPE and the cache "
-            "write unfused), each a launch plus a few small reads",
+            "step, Llama-3.1-8B int4 batch 1 (benchmarks/results/2026-12-02/ab_quant_stream_8b_h200.jsonl): "
+            "each kernel of a quantized layer besides its four GEMM launches (the qkv_rope epilogue, the "
+            "attention kernel, norms, residual adds, converts and transposes), a launch plus a few small reads",
         ),
         (
             "p2p_allreduce_s",

@@ -1,7 +1,10 @@
 """The quantized in-place GPU mode (rdu.quantized, rdu.fit.quant): its kernel table equals what the
-measured result files give; the held-out quantized rows meet the issue's in-place bar; a quantized
-step is charged its real bytes. Fewer quantized bytes never slower: tests/test_rdu_invariants.py."""
+measured result files give (the engine's Stream-K variants, its fused launches, the step's kernel
+counts); the held-out quantized rows meet the issue's in-place bar and none is a row of the previous
+kernel; a quantized step is charged its real bytes. Fewer quantized bytes never slower:
+tests/test_rdu_invariants.py."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,13 +15,26 @@ from rdu.fit.quant import quant_row_ms, solve_glue
 from rdu.gpu import inplace_terms
 from rdu.hardware import gpu, load_fitted
 from rdu.mapping import fuse
-from rdu.quantized import BENCH_FILE, QUANT_KERNELS, STEP_FILE, measured_kernels, quant_format
+from rdu.quantized import (
+    BENCH_FILE,
+    ENGINE_LAUNCHES,
+    ENGINE_VARIANT,
+    QUANT_KERNELS,
+    STEP_FILE,
+    STEP_LAYERS,
+    layer_counts,
+    measured_kernels,
+    quant_format,
+)
 from rdu.trace import trace_decode_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(not (ROOT / BENCH_FILE).exists() or not (ROOT / STEP_FILE).exists(), reason="no result files")
+NO_FILES = not (ROOT / BENCH_FILE).exists() or not (ROOT / STEP_FILE).exists()
+
+
+@pytest.mark.skipif(NO_FILES, reason="no result files")
 def test_kernel_table_is_what_the_measurements_give():
     got = measured_kernels(ROOT)
     for fmt, q in QUANT_KERNELS.items():
@@ -30,6 +46,52 @@ def test_kernel_table_is_what_the_measurements_give():
             q.kernels_per_layer,
             q.kernels_per_layer_batched,
         )
+
+
+@pytest.mark.skipif(NO_FILES, reason="no result files")
+def test_the_engines_variants_and_fused_launches():
+    """int4 (offsets): scales in the weights, 256-wide tiles, 4 compute warpgroups; int8: scales on the
+    accumulator, 128-wide, 2. A layer's four launches (q·k·v and gate + up fused) are measured as such,
+    and the fitted line gives their summed main-kernel time back for the 8B layer."""
+    bench = json.loads((ROOT / BENCH_FILE).read_text())
+    want = {"int4": ("w", 256, 4), "int8": ("acc", 128, 2)}
+    ceiling = bench["read_ceiling_gb_s"] * 1e9
+    for fmt, name in ENGINE_VARIANT.items():
+        v = bench["variants"][name]
+        assert (v["scale_in"], v["tile_n"], v["compute_wgs"]) == want[fmt]
+        q = QUANT_KERNELS[fmt]
+        for m in (1, 8):
+            rows = {r["shape"]: r for r in bench["rows"] if (r["impl"], r["variant"], r["m"]) == (fmt, name, m)}
+            assert set(ENGINE_LAUNCHES) <= set(rows)
+            # a fused launch streams its weights' bytes (x read once)
+            assert rows["qkv"]["bytes"] == pytest.approx(rows["q_o"]["bytes"] + 2 * rows["k_v"]["bytes"], rel=0.01)
+            assert rows["gate+up"]["bytes"] == pytest.approx(2 * rows["gate_up"]["bytes"], rel=0.01)
+            got = q.gemm_s(sum(rows[s]["bytes"] for s in ENGINE_LAUNCHES), ceiling, calls=len(ENGINE_LAUNCHES))
+            measured = 1e-6 * sum(rows[s]["kernel_us"] for s in ENGINE_LAUNCHES)
+            assert got == pytest.approx(measured, rel=0.03)
+
+
+@pytest.mark.skipif(NO_FILES, reason="no result files")
+def test_layer_counts_from_the_step_profile():
+    """Batch 8: the profile's window (4 GEMM launches, 15 kernels a layer). Batch 1: the trace's total over
+    the bf16 row's traced steps lands near a whole count a layer (the window there is misdetected)."""
+    steps = [json.loads(x) for x in (ROOT / STEP_FILE).read_text().splitlines() if x.strip()]
+    rows = {(r.get("variant"), r["batch"]): r for r in steps if not r.get("summary")}
+    base = rows[("base", 1)]
+    traced = sum(base["streams"].values()) / base["kernels_per_step"]
+    for fmt in ENGINE_VARIANT:
+        assert layer_counts(steps, fmt) == (4, 13, 15)
+        b8 = rows[(f"quantize={fmt}", 8)]
+        outside = b8["kernels_per_step"] - STEP_LAYERS * 15
+        per_layer = (sum(rows[(f"quantize={fmt}", 1)]["streams"].values()) / traced - outside) / STEP_LAYERS
+        assert abs(per_layer - 13) < 0.25, per_layer
+
+
+def test_no_row_of_the_previous_kernel():
+    """The quantized rows are the engine's current path: none comes from the previous kernel's files."""
+    for r in QUANT_ROWS:
+        assert "ab_quant_stream_" in r.source, r.what
+        assert "ab_quant_8b_h200" not in r.source and "ab_quant_70b_h200" not in r.source
 
 
 def test_quant_format_from_dtypes():

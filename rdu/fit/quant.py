@@ -1,7 +1,8 @@
 """The quantized rows of GPU mode "looped_inplace": the one quantized constant, `quant_glue_kernel_s`,
 solved on the one in-sample row of rdu.anchors.QUANT_ROWS (the step time is linear in it), every other
-row held out. The quantized GEMM kernel's own constants are measured, not fitted (rdu.quantized); the
-bf16 in-place and "xla" constants are the ones fitted before (rdu.fit.inplace, rdu.fit.gpu)."""
+row held out. The quantized GEMM kernel's own constants and the kernel counts are measured, not fitted
+(rdu.quantized: the Stream-K kernel the engine runs, q·k·v and gate + up fused); the bf16 in-place and
+"xla" constants are the ones fitted before (rdu.fit.inplace, rdu.fit.gpu)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ def quant_table(rec: dict) -> str:
     lines = [
         f"H200 in-place mode, quantized weights (quant_glue_kernel_s {1e6 * q['fitted']['quant_glue_kernel_s']:.2f} us)"
     ]
+    for fmt, k in q["kernels"].items():
+        lines.append(
+            f"  {fmt}: {k['gemm_kernels']} GEMM launches a layer at {1e6 * k['gemm_fixed_s']:.2f} us + bytes at "
+            f"{k['gemm_efficiency']:.3f} of the read ceiling; {k['kernels_per_layer']} kernels a layer at M = 1, "
+            f"{k['kernels_per_layer_batched']} at M >= 2"
+        )
     for x in (r for r in rec["rows"] if r["group"] == "h200_quant"):
         split = "in-sample" if x["split"] == "train" else "held out"
         lines.append(
