@@ -56,14 +56,14 @@ MS = (1, 8)
 GROUP = 128
 FUSED = {"qkv": ((4096, 1024, 1024), 4096), "gate+up": ((14336, 14336), 4096)}  # (N_i, K): one launch each
 VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K); the first is the engine's
-    "stream": qs.QuantStreamBlocks(),
-    "stream_1wg": qs.QuantStreamBlocks(tile_n=64, compute_wgs=1),
-    "stream_k512": qs.QuantStreamBlocks(tile_k=512),
-    "stream_s8": qs.QuantStreamBlocks(stages=8),
-    "stream_n256": qs.QuantStreamBlocks(tile_n=256),
+    "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
+    "stream_acc_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="acc"),  # scales per group on the accumulators
+    "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),  # scales and offsets on the codes
+    "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
+    "stream_w_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="w"),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
-INT8_VARIANTS = ("stream", "stream_k512", "tile")
+INT8_VARIANTS = ("stream", "stream_w_2wg", "stream_acc_4wg", "tile")
 RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,
@@ -93,14 +93,16 @@ def dry_mode():
 
     def small(c):
         if isinstance(c, qs.QuantStreamBlocks):
-            return dataclasses.replace(c, tile_n=64 * c.compute_wgs, tile_k=min(c.tile_k, 128), ctas=8)
+            return dataclasses.replace(
+                c, tile_k=min(c.tile_k, 128), ctas=8
+            )  # tiny widths: tile_n resolves to 256 or less
         return dataclasses.replace(c, tile_n=64, tile_k=min(c.tile_k, 128))
 
     VARIANTS.update({name: small(c) for name, c in VARIANTS.items()})
     RUN.update(
         layers=2,
-        shapes={"tiny": (128, 256)},
-        fused={"tiny2": ((128, 128), 256)},
+        shapes={"tiny": (256, 256)},
+        fused={"tiny2": ((256, 256), 256)},
         runs=1,
         warmup=0,
         interpret=True,

@@ -13,14 +13,17 @@ Why a second design. The tile-per-CTA quantized kernel (`kernels/quant_gemm.py`)
 about 43% of the read ceiling: one warpgroup per CTA waits on each TMA stage, converts the codes in
 registers, waits on its wgmma, and only then releases the stage; the conversion and the waits sit
 on one instruction stream per SM, and N / tile_n tiles leave the last wave part empty. Here a CTA
-has three warpgroups: a memory warpgroup that only issues TMA copies, `stages` units ahead, and
-two compute warpgroups that each take half of a unit's rows (64 each: the wgmma M side), so two
-conversion streams run while the copies for later units are in flight, and every SM works to the
-end of the call. Per group of G columns a compute warpgroup loads its codes from SMEM in the
-layout Mosaic GPU upcasts from (WGMMA_UPCAST_4X / 2X), converts them to x's dtype (exact), scales
-and offsets them in registers (w = c · s + o, rounded to x's dtype: as `QuantBlocks(scale_in="w")`)
-and feeds them to wgmma as the LHS: yᵀ[rows, M8] += Wᵀ[rows, G] · xᵀ[G, M8]. A stage is released
-(a `consumed` barrier both compute warpgroups arrive on) once its wgmmas are done.
+has a memory warpgroup that only issues TMA copies, `stages` units ahead, and 1 to 4 compute
+warpgroups that each take 64 of a unit's rows (the wgmma M side), so several conversion streams run
+while the copies for later units are in flight, and every SM works to the end of the call. Per group of
+G columns a compute warpgroup loads its codes from SMEM in the layout Mosaic GPU upcasts from
+(WGMMA_UPCAST_4X / 2X), converts them to x's dtype (exact) and feeds them to wgmma as the LHS:
+yᵀ[rows, M8] += Wᵀ[rows, G] · xᵀ[G, M8]. The scales go one of two ways (`QuantStreamBlocks.scale_in`):
+- "w": scaled and offset in registers (w = c · s + o, rounded to x's dtype), one accumulator;
+- "acc": each group's product in an accumulator of its own, scaled by the group's f32 scales once per
+  unit (exact); offsets times the group's Σx, which one more wgmma with an all-ones LHS gives.
+A stage is released (a `consumed` barrier every compute warpgroup arrives on) once its wgmmas are done.
+`QuantStreamBlocks.resolved` picks the placement and tile per format, from measurements (docs/kernels.md).
 
 All weights of one call share K, G and the dtypes of their codes, scales and offsets (or have none).
 Tested on the CPU through Mosaic GPU's interpreter, and lowered for CUDA on any host; compiled on Hopper.
@@ -48,12 +51,26 @@ MAX_M = 64  # batch rows: the x tile and the accumulators grow with M8 (prefill 
 class QuantStreamBlocks:
     """Tunables. ctas=None: one CTA per SM of the device (132 on an H200)."""
 
-    tile_n: int = 128  # weight rows per unit; each compute warpgroup takes tile_n / compute_wgs of them
+    tile_n: int | None = None  # weight rows per unit, 64 per compute warpgroup; None: see `resolved`
     tile_k: int = 256  # reduction depth per unit: a multiple of G, or a divisor of it
     stages: int = 4  # units in flight per CTA (>= 2); cut to what fits in smem_bytes
-    compute_wgs: int = 2  # 1 or 2 warpgroups converting codes and issuing wgmma
+    compute_wgs: int | None = None  # 1 to 4 warpgroups converting codes and issuing wgmma; None: tile_n / 64
+    # "acc": each group's codes · x into an accumulator of its own, scaled (and its offset times the group's
+    # Σx added) in f32 per unit; "w": codes scaled and offset in registers, in x's dtype, one accumulator;
+    # "auto": "w" for weights with offsets, "acc" otherwise (the faster of the two for each on an H200)
+    scale_in: str = "auto"
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
+
+    def resolved(self, ns, has_offsets: bool) -> QuantStreamBlocks:
+        """These blocks for weights of widths `ns`. "auto": "w" for weights with offsets, "acc" otherwise;
+        tile_n=None: the widest tile that divides every width, up to 256 rows under "w" (four compute
+        warpgroups: converting, scaling and offsetting int4 codes is what bounds it) and 128 under "acc"
+        (two: more measured slower); compute_wgs=None: one warpgroup per 64 rows."""
+        scale_in = ("w" if has_offsets else "acc") if self.scale_in == "auto" else self.scale_in
+        widest = (256, 128) if scale_in == "w" else (128,)
+        tile_n = self.tile_n or next((t for t in widest if all(n % t == 0 for n in ns)), 64)
+        return dataclasses.replace(self, tile_n=tile_n, compute_wgs=self.compute_wgs or tile_n // 64, scale_in=scale_in)
 
     def gemm_blocks(self) -> flat_gemm_stream.StreamBlocks:
         """The same units as `flat_gemm_stream` lays them out (its `schedule` and `combine` apply)."""
@@ -71,6 +88,7 @@ class _Layout:
     stages: int
     wgs: int
     arrays: int  # arrays per weight: codes, scales (, offsets)
+    scale_in: str
 
     @property
     def gw(self) -> int:  # columns of one group inside a unit
@@ -141,31 +159,61 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
         lax.fori_loop(lay.stages, nsteps, refill, None)
 
-    def unit(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j
-        slot = lax.rem(j, lay.stages)
-        plgpu.barrier_wait(produced.at[slot])
+    offsets = len(group_smems) > 1
+
+    def groups(slot, r0):  # yields (g, this warpgroup's codes of group g [rows, gw] in x's dtype, xᵀ [gw, M8])
         c_rows = c_smem.at[slot, pl.ds(r0, rows)]  # [rows, tile_k]
         for ci in range(tile_k // cw):
             chunk = plgpu.load(c_rows.at[:, pl.ds(ci * cw, cw)], layout=upcast)  # [rows, cw]
             chunk = plgpu.layout_cast(chunk, plgpu.Layout.WGMMA).astype(cdt)
             for gj in range(cw // gw):
                 g = ci * (cw // gw) + gj  # group within the unit
-                w = chunk[:, gj * gw : (gj + 1) * gw]  # [rows, gw]
-                grow = g if lay.group <= tile_k else 0
-                s = plgpu.load(group_smems[0].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(cdt)
-                w = w * lax.broadcast_in_dim(s, w.shape, [0])
-                if len(group_smems) > 1:  # offsets
-                    o = plgpu.load(group_smems[1].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(cdt)
-                    w = w + lax.broadcast_in_dim(o, w.shape, [0])
-                x_t = x_smem.at[slot, :, pl.ds(g * gw, gw)].T  # [gw, M8]
-                if interpret:
-                    w_stage.at[wg][...] = w
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc, w_stage.at[wg], x_t)
-                else:
-                    plgpu.wgmma(acc, w, x_t)
+                yield g, chunk[:, gj * gw : (gj + 1) * gw], x_smem.at[slot, :, pl.ds(g * gw, gw)].T
+
+    def per_row(slot, r0, g, which: int, dtype):  # scales (0) or offsets (1) of group g: [rows], row layout
+        grow = g if lay.group <= tile_k else 0
+        return plgpu.load(group_smems[which].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(dtype)
+
+    def mma(acc, w, x_t):
+        if interpret:  # the interpreter's wgmma takes its LHS from SMEM
+            w_stage.at[wg][...] = w
+            plgpu.commit_smem()
+            plgpu.wgmma(acc, w_stage.at[wg], x_t)
+        else:
+            plgpu.wgmma(acc, w, x_t)
+
+    def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
+        slot = lax.rem(j, lay.stages)
+        plgpu.barrier_wait(produced.at[slot])
+        for g, w, x_t in groups(slot, r0):
+            w = w * lax.broadcast_in_dim(per_row(slot, r0, g, 0, cdt), w.shape, [0])
+            if offsets:
+                w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1, cdt), w.shape, [0])
+            mma(acc, w, x_t)
         plgpu.wgmma_wait(0)
         plgpu.barrier_arrive(consumed.at[slot])
+
+    def unit_acc(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, scaled per group
+        slot = lax.rem(j, lay.stages)
+        plgpu.barrier_wait(produced.at[slot])
+        ones = plgpu.layout_cast(jnp.ones((rows, gw), cdt), plgpu.Layout.WGMMA)
+
+        def scope(*accs):  # one accumulator per group (and one per group's Σx under offsets)
+            rows_of = []
+            for g, w, x_t in groups(slot, r0):
+                mma(accs[g], w, x_t)  # codesᵀ · xᵀ
+                rows_of.append((g, per_row(slot, r0, g, 0, jnp.float32)))
+                if offsets:
+                    mma(accs[lay.group_rows + g], ones, x_t)  # every row: Σ_k∈g x[m, k]
+                    rows_of.append((lay.group_rows + g, per_row(slot, r0, g, 1, jnp.float32)))
+            plgpu.wgmma_wait(0)
+            return [(accs[i][...], v) for i, v in rows_of]
+
+        parts = pl.run_scoped(scope, *[plgpu.ACC((rows, m8), jnp.float32)] * (lay.group_rows * (1 + offsets)))
+        plgpu.barrier_arrive(consumed.at[slot])  # the scales and offsets are in registers now
+        for part, v in parts:
+            total = total + part * lax.broadcast_in_dim(v, part.shape, [0])
+        return total
 
     @pl.when(wg < wgs)
     def _compute():
@@ -176,11 +224,16 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             t = t_first + g
             j_end = lax.min((t + 1) * ks, u1) - u0
 
-            def run(acc):
-                lax.fori_loop(j_start, j_end, lambda j, carry: (unit(j, acc, r0), carry)[1], None)
-                return acc[...]
+            if lay.scale_in == "acc":
+                zeros = plgpu.layout_cast(jnp.zeros((rows, m8), jnp.float32), plgpu.Layout.WGMMA)
+                part = lax.fori_loop(j_start, j_end, lambda j, total: unit_acc(j, total, r0), zeros)  # [rows, M8]
+            else:
 
-            part = pl.run_scoped(run, plgpu.ACC((rows, m8), jnp.float32))  # [rows, M8]
+                def run(acc):
+                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit_w(j, acc, r0), carry)[1], None)
+                    return acc[...]
+
+                part = pl.run_scoped(run, plgpu.ACC((rows, m8), jnp.float32))  # [rows, M8]
             buf = lax.rem(g, 2)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
             out_smem.at[wg, buf][...] = part
@@ -217,7 +270,9 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"the kernel takes bf16 or f16 x, got {x.dtype}")
     if m > MAX_M:
         raise UntiledShape(f"the quantized stream GEMM takes M <= {MAX_M}, got M={m}")
-    if cfg.compute_wgs not in (1, 2) or cfg.tile_n % (64 * cfg.compute_wgs):
+    if cfg.scale_in not in ("acc", "w", "auto"):
+        raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
+    if cfg.compute_wgs not in (1, 2, 3, 4) or cfg.tile_n % (64 * cfg.compute_wgs):
         raise UntiledShape(f"tile_n={cfg.tile_n} must be 64 rows per compute warpgroup ({cfg.compute_wgs})")
     bits = code_bits(first[0].dtype)
     ns = [c.shape[1] for c, _, _ in weights]
@@ -231,6 +286,7 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are.
     x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None)."""
     weights = tuple(tuple(w) for w in weights)
+    cfg = cfg.resolved([c.shape[1] for c, _, _ in weights], weights[0][2] is not None)
     _check(x, weights, group, cfg)
     m, k = x.shape
     m8 = -(-m // 8) * 8
@@ -251,7 +307,7 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     if fit < 2:
         raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={cfg.smem_bytes} at M={m}")
     stages = max(2, min(cfg.stages, fit))
-    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays)
+    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in)
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),
         plgpu.SMEM(
@@ -273,6 +329,7 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
         grid_names=("c",),
         num_threads=cfg.compute_wgs + 1,
         thread_name="wg",
+        kernel_name="quant_gemm_stream",  # its own name in profiles (Mosaic GPU kernels are otherwise "anonymous")
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
@@ -313,6 +370,7 @@ def quant_gemm_multi(
     elif layer is None:
         raise ValueError("stacked codes [L, N, K] need a layer index")
     partials, sched = quant_stream_partials(x, weights, layer, group=group, cfg=block_sizes, interpret=interpret)
-    y = flat_gemm_stream.combine(partials, sched, block_sizes.tile_n, x.shape[0])  # [M, ΣN] f32
+    tile_n = partials.shape[1] // sched.tile_count
+    y = flat_gemm_stream.combine(partials, sched, tile_n, x.shape[0])  # [M, ΣN] f32
     bounds = np.cumsum([w[0].shape[1] for w in weights])[:-1]
     return tuple(part.astype(out_dtype) for part in jnp.split(y, bounds, axis=1))
