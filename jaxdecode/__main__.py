@@ -17,7 +17,7 @@ def _wants_json(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     progress.set_quiet(_wants_json(argv))
-    with progress.phase("starting: importing JAX"):
+    with progress.phase("starting"):
         from jaxdecode.cli import main as cli_main
     return cli_main(argv)
 

