@@ -1,9 +1,8 @@
 """The quantized layer of the in-place looped decode: q·k·v, gate/up and every other projection through
-`kernels.quant_gemm_stream` (Mosaic GPU's interpreter on the CPU), the q·k·v partials through the same
-epilogue and attention kernels as bf16 weights, against the unrolled model whose dots XLA runs on the
-dequantized weights."""
+`kernels.quant_gemm_stream`, the q·k·v partials through the same epilogue and attention kernels as bf16
+weights. On the CPU each hook against the model's own function (Mosaic GPU's interpreter); on Hopper a
+compiled decode step against the unrolled model, whose dots XLA runs on the dequantized weights."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,69 +12,90 @@ import pytest
 from jaxdecode.config import ModelConfig
 from jaxdecode.decode import Engine
 from jaxdecode.looped_model import kernel_qkv_attend, kernel_quant_dot, kernel_swiglu
-from jaxdecode.looping import outside_runs
+from jaxdecode.looping import StackedRef, outside_runs
 from jaxdecode.model import Hook, init_random, quantize_weights
+from jaxdecode.model import qkv_attend as model_qkv_attend
+from jaxdecode.model import swiglu as model_swiglu
+from jaxdecode.quantized import matmul, quantize
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.quant_gemm_stream import QuantStreamBlocks
 
-# Widths the kernel tiles with 64-row tiles (q 128, k/v 64, F 256), head dim 64: half a head per tile.
-CFG = ModelConfig("tiny-quant-stream", 97, 128, 2, 2, 1, 256, max_seq_len=64)
-BLOCKS = QuantStreamBlocks(tile_n=64, tile_k=64, stages=2, compute_wgs=1, ctas=8)
+BLOCKS = QuantStreamBlocks(tile_n=64, tile_k=64, stages=2, compute_wgs=1, ctas=8)  # 64-row tiles, 2 units a tile
 # bf16 activations: each dot's f32 sum is rounded to bf16 by both (2^-8 relative) in different orders, and
 # the kernel rounds each scaled weight to bf16 (2^-9) as well; over two layers, a few bf16 ulps of the logits.
 RTOL = 2.0**-6
 
 
-def _engine(model, calls: list):
-    def counted(name, hook):
-        def run(*args, **kwargs):
-            out = hook(*args, **kwargs)
-            calls.append((name, out is not None))
-            return out
-
-        return run
-
-    kw = dict(quant_blocks=BLOCKS, interpret=True)
-    stream_dot = functools.partial(kernel_quant_dot, impl="stream", stream_blocks=BLOCKS, interpret=True)
-
-    def decode_dot(x, *weight):
-        # Prefill's q, k and v dots are independent: XLA:CPU runs them at once, and concurrent interpreted
-        # kernels of several warpgroups each block a CPU thread in a barrier (a deadlock on two cores).
-        return None if x.shape[-2] > 1 else stream_dot(x, *weight)
-
-    quant_dot = outside_runs(counted("quant_dot", decode_dot))
-    hooks = {h: None for h in Hook} | {
-        Hook.QUANT_DOT: quant_dot,
-        Hook.SWIGLU: counted("swiglu", functools.partial(kernel_swiglu, impl="stream", **kw)),
-        Hook.QKV_ATTEND: counted(
-            "qkv_attend",
-            functools.partial(kernel_qkv_attend, impl="stream", attention_blocks=AttentionBlocks(16, 2), **kw),
-        ),
-    }
-    return Engine(model, loop_mode="inplace", hooks=hooks, stacked_dot=lambda *a: None)
+def _stacks(seed: int, widths, k: int = 128, layers: int = 3):
+    """Quantized int4 weights (G = 32, offsets) [K, N_i] for each width, stacked over `layers`: the
+    QuantizedWeight of layer `LAYER` per width, and the hooks' view of all of them (StackedRef leaves)."""
+    keys = jax.random.split(jax.random.key(seed), len(widths))
+    stacked = [
+        quantize(jax.random.normal(kk, (layers, k, n), jnp.float32) * k**-0.5, "int4", 32)
+        for kk, n in zip(keys, widths)
+    ]
+    index = jnp.int32(LAYER)
+    one = [jax.tree.map(lambda a: a[LAYER], w) for w in stacked]
+    leaves = [StackedRef(a, index) for w in stacked for a in (w.codes, w.scales, w.offsets)]
+    return one, leaves
 
 
-def test_decode_step_through_the_quantized_kernels_equals_unrolled():
-    """A prefill of 5 tokens (qkv_attend declines for T > 1; its dots run in XLA here) then one decode step
-    (q·k·v in one launch, its epilogue and attention kernels; gate/up in one launch; o and down through
-    quant_dot): the logits of both against the unrolled model, and every hook took its call."""
-    model = quantize_weights(init_random(CFG, seed=3, dtype=jnp.bfloat16), "int4", group=32)
-    rng = np.random.default_rng(4)
-    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 5)), jnp.int32)
-    step = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 1)), jnp.int32)
-    calls: list = []
-    results = []
-    for engine in (Engine(model, loop_layers=False), _engine(model, calls)):
-        cache = engine.new_cache(2, 64)
-        positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
-        first, cache = engine.forward(engine.params, prompt, positions, cache)
-        out, _ = engine.forward(engine.params, step, jnp.full((2, 1), 5, jnp.int32), cache)
-        results.append((np.asarray(first, np.float32), np.asarray(out, np.float32)))
-    for got, want in zip(results[1], results[0]):
-        np.testing.assert_allclose(got, want, rtol=RTOL, atol=4 * 2.0**-8 * np.abs(want).max())
-    took = {name for name, ok in calls if ok}
-    assert took == {"quant_dot", "swiglu", "qkv_attend"}, calls
-    assert ("qkv_attend", False) in calls  # the prefill, declined
+LAYER = 1
+
+
+def _close(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=4 * 2.0**-8 * np.abs(want).max())
+
+
+# The hooks are called directly (as the in-place loop calls them, with StackedRef leaves) rather than from
+# a traced engine: inside one XLA:CPU program, interpreted kernels of several warpgroups can starve each
+# other of the CPU's threads (each blocks one in a barrier), which deadlocks a two-core machine.
+
+
+def test_qkv_attend_hook_with_quantized_weights_equals_the_model():
+    """q·k·v in one interpreted launch, its partials through the bf16 epilogue (RoPE, the cache rows written
+    into layer LAYER of the stacks) and the attention kernel, against `model.qkv_attend` on that layer."""
+    b, d, h, heads, kv_heads, s = 2, 128, 64, 2, 1, 64
+    one, leaves = _stacks(1, (heads * h, kv_heads * h, kv_heads * h))
+    ks = jax.random.split(jax.random.key(2), 4)
+    x = jax.random.normal(ks[0], (b, 1, d), jnp.float32).astype(jnp.bfloat16)
+    k_stack = (jax.random.normal(ks[1], (3, b, s, kv_heads, h), jnp.float32) * 0.5).astype(jnp.bfloat16)
+    v_stack = jax.random.normal(ks[2], (3, b, s, kv_heads, h), jnp.float32).astype(jnp.bfloat16)
+    positions = jnp.array([[5], [11]], jnp.int32)
+    angles = positions[..., None].astype(jnp.float32) * jnp.linspace(0.1, 1.0, h)  # [B, 1, H]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    index = jnp.int32(LAYER)
+    got = kernel_qkv_attend(
+        x,
+        StackedRef(k_stack, index, "k"),
+        StackedRef(v_stack, index, "v"),
+        positions,
+        cos,
+        sin,
+        *leaves,
+        impl="stream",
+        quant_blocks=BLOCKS,
+        attention_blocks=AttentionBlocks(16, 2),
+        interpret=True,
+    )
+    assert got is not None
+    out, k_new, v_new = model_qkv_attend(x, k_stack[LAYER], v_stack[LAYER], positions, cos, sin, *one)
+    _close(got[0], out)
+    _close(got[1].stack[LAYER], k_new)
+    _close(got[2].stack[LAYER], v_new)
+    np.testing.assert_array_equal(np.asarray(got[1].stack[0]), np.asarray(k_stack[0]))  # other layers untouched
+
+
+def test_swiglu_and_quant_dot_hooks_with_quantized_weights_equal_the_model():
+    """gate/up in one interpreted launch (silu·mul in f32, one rounding) and a single quantized dot, against
+    `model.swiglu` and `quant_dot` on layer LAYER of the stacks."""
+    x = jax.random.normal(jax.random.key(3), (2, 1, 128), jnp.float32).astype(jnp.bfloat16)
+    (gate, up, down), leaves = _stacks(4, (256, 256, 128))
+    (got,) = kernel_swiglu(x, *leaves[:6], impl="stream", quant_blocks=BLOCKS, interpret=True)
+    _close(got, model_swiglu(x, gate, up))
+    (got,) = kernel_quant_dot(x, *leaves[6:], impl="stream", stream_blocks=BLOCKS, interpret=True)
+    _close(got, matmul(x, down))
 
 
 ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_kind for s in ("H100", "H200"))
