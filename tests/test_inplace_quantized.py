@@ -3,7 +3,6 @@
 weights. On the CPU each hook against the model's own function (Mosaic GPU's interpreter); on Hopper a
 compiled decode step against the unrolled model, whose dots XLA runs on the dequantized weights."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
