@@ -17,7 +17,9 @@ layer i of the stacked cache in place with `kernels.decode_attention` (`kernel_a
 token per sequence, the model's `qkv_attend` call (projections, RoPE, cache write, attention) runs as
 the q·k·v GEMM, one epilogue kernel (`kernels.qkv_rope`: split sum, bias, RoPE, the cache rows
 written in place) and the attention kernel (`kernel_qkv_attend`); prefill, with more tokens, goes
-through the `qkv` and `sdpa` hooks and the in-place cache writes inside that call).
+through the `qkv` and `sdpa` hooks and the in-place cache writes inside that call). Quantized weights
+take the same shape through `kernels.quant_gemm_stream`: q·k·v in one launch into the same epilogue
+and attention, gate/up in one launch, every other quantized dot one launch (`kernel_quant_dot`).
 `default_loop_mode()` (the engine's default) picks "inplace" on a GPU and "slice" elsewhere: on a
 GPU XLA copies each W[i] out of its stack before a dot.
 """
