@@ -128,8 +128,9 @@ def kernel_stacked_dot(
 
 def _quantized_weights(refs, count: int):
     """The leaves of `count` quantized weights as the hooks receive them (codes, scales(, offsets) each,
-    `StackedRef`s of [L, N, K] and [L, K/G, N] stacks), grouped per weight; None for anything else
-    (dense weights, biases among the leaves, weights whose formats differ in their arrays)."""
+    `StackedRef`s of [L, N, K] and [L, K/G, N] stacks), grouped per weight; None for dense weights,
+    biases among the leaves, or a leaf count that does not split evenly into weights. Formats that differ
+    between the weights (group size, dtypes) are left to the kernel's own shape check."""
     if not refs or len(refs) % count or not all(isinstance(r, StackedRef) and r.stack.ndim == 3 for r in refs):
         return None
     per = len(refs) // count

@@ -226,7 +226,7 @@ class UntiledShape(ValueError):
     """A shape, dtype or block size the Mosaic kernel does not tile (the XLA reference still computes it)."""
 
 
-def _check(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None):
+def check_shapes(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None):
     """ValueError with the numbers for what the op (cfg=None: the reference; else the kernel) cannot take."""
     m, k = x.shape
     if codes.ndim != 3 or scales.ndim != 3:
@@ -361,7 +361,7 @@ def quant_gemm(
         return quant_gemm_reference(x, codes, scales, offsets, layer, group=group, out_dtype=out_dtype)
     if impl != "mosaic":
         raise ValueError(f"unknown impl {impl!r}: 'mosaic' or 'xla'")
-    _check(x, codes, scales, offsets, group, block_sizes)
+    check_shapes(x, codes, scales, offsets, group, block_sizes)
     cfg = block_sizes.resolved(offsets is not None)
     in_kernel = offsets if cfg.scale_in == "w" else None
     m = x.shape[0]
@@ -394,7 +394,7 @@ def quant_gemm_reference(x, codes, scales, offsets=None, layer=None, *, group: i
             raise ValueError("stacked codes [L, N, K] need a layer index")
         pick = lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False)
         codes, scales, offsets = pick(codes), pick(scales), pick(offsets)
-    _check(x, codes[None], scales[None], None if offsets is None else offsets[None], group, None)
+    check_shapes(x, codes[None], scales[None], None if offsets is None else offsets[None], group, None)
     w = dequantize_reference(codes, scales, offsets, group=group)  # [K, N] f32
     y = jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)  # [M, N]
     return y.astype(out_dtype)

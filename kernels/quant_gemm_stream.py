@@ -196,7 +196,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     def unit_acc(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, scaled per group
         slot = lax.rem(j, lay.stages)
         plgpu.barrier_wait(produced.at[slot])
-        ones = plgpu.layout_cast(jnp.ones((rows, gw), cdt), plgpu.Layout.WGMMA)
+        ones = plgpu.layout_cast(jnp.ones((rows, gw), cdt), plgpu.Layout.WGMMA) if offsets else None
 
         def scope(*accs):  # one accumulator per group (and one per group's Σx under offsets)
             rows_of = []
@@ -258,7 +258,7 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise ValueError("quant_gemm_multi needs at least one weight")
     first = weights[0]
     for codes, scales, offsets in weights:
-        quant_gemm._check(x, codes, scales, offsets, group, None)
+        quant_gemm.check_shapes(x, codes, scales, offsets, group, None)
         if [None if a is None else a.dtype for a in (codes, scales, offsets)] != [
             None if a is None else a.dtype for a in first
         ]:
