@@ -8,16 +8,32 @@ of the stack is sliced out first.
 
 Values follow `jaxdecode.model.RMSNorm` exactly in order of operations: in float32, r = rsqrt(mean(x²)
 + eps); x·r is rounded to x's dtype, then multiplied by the weight and rounded again. Only the
-order of the sum of squares differs (blocks of D here), so results can differ by one rounding step.
-
-Backend: Pallas-Triton. The kernel is a one-row reduction and a scale, launch-bound at these sizes;
-Triton expresses it with a plain `sum` over a block. Mosaic GPU would need the row laid out over a
-warpgroup and a cross-warp reduction written by hand, for no gain at a few KB per call. It runs in
-interpret mode on the CPU (tests).
+order of the sum of squares differs, so results can differ by one rounding step.
 
 `residual_rms_norm` is the attention block's end on one GPU in the same launch: the o projection's
 split-K partial sums (the GEMV's [splits, M, D] f32), their rounding, the residual add and the
 MLP's input norm. XLA ran the first three as one fusion and the norm as this file's first kernel.
+
+Implementations (`impl`); both run one program per row, as rows are independent and each row's
+reduction fits one SM: M rows (M <= 64 at decode, fewer than the SMs) run side by side in the time
+of one, where one program for all rows would pay each row's memory latency in turn.
+- "triton": a `pl.pallas_call` kernel (Pallas-Triton, deprecated in jax 0.11), the row read in
+  power-of-two blocks (`chunk_size`) with a plain `sum`. Tested on the CPU with `interpret=True`.
+- "mosaic": a `plgpu.kernel` of one warpgroup per row. The row lies in registers across the
+  warpgroup's 128 threads (D <= 8192: at most 64 elements a thread); its sum of squares is Mosaic
+  GPU's whole-array reduction (within each thread, warp shuffles, then the four warps through SMEM).
+  Where D is a multiple of 128, x (or the residual) and the weight row are loaded straight from GMEM
+  in the warpgroup-strided layout, up to 16 bytes a load, all of them ahead of any use: the few KB
+  of a row cost one memory round trip, with no SMEM buffer, TMA descriptor or barrier in between;
+  outputs are stored the same way. Other widths (D a multiple of 64: SmolLM2's 576) take the WGMMA row-vector
+  layout, which Mosaic GPU loads and stores only through SMEM, so those rows are staged by TMA.
+  The partial sums (splits·D·4 bytes a row, up to 512 KB: more than registers hold in flight)
+  stream through SMEM by TMA bulk copies, as many splits in flight as `SMEM_BYTES` holds, and are
+  summed in split order in float32; the residual and weight rows are loaded before the stream, so
+  their latency hides behind it. The kernel bodies are functions of refs (GMEM or SMEM) apart
+  from their `plgpu.kernel` wrapper, so that a persistent kernel can call them as phases. Tested on
+  the CPU with Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`), whose outputs start as NaN:
+  `poison` holds there only, as `plgpu.kernel` takes no input_output_aliases in jax 0.11.
 """
 
 from __future__ import annotations
@@ -28,7 +44,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
+
+SMEM_BYTES = 192 * 1024  # the Mosaic kernels' SMEM: partials' pipeline stages, staged rows (H200: 227 KiB a block)
 
 
 def chunk_size(dim: int, cap: int = 4096) -> int:
@@ -87,8 +106,100 @@ def _residual_kernel(layer_ref, p_ref, r_ref, w_ref, s_ref, o_ref, *, eps: float
         o_ref[cols] = (normed.astype(jnp.float32) * w_ref[layer, cols].astype(jnp.float32)).astype(o_ref.dtype)
 
 
+def row_layout(dim: int, dtype) -> plgpu.Layout:
+    """A row [D] over one warpgroup: strided (each thread holds `vec` consecutive elements every 128·vec,
+    one load of at most 16 bytes) where D is a multiple of 128, else the WGMMA row-vector layout (D a
+    multiple of 64; SMEM only). Every array of a row shares it, whatever its dtype."""
+    if dim % 128:
+        return plgpu.Layout.WGMMA.reduce(1)
+    vec = 16 // jnp.dtype(dtype).itemsize
+    while dim % (128 * vec):
+        vec //= 2
+    return plgpu.Layout.WG_STRIDED((dim,), vec_size=vec)
+
+
+def _scale_row(s, w, o_ref, *, eps: float):
+    """o_ref [D] = the model's RMSNorm of the float32 row s [D] with the weight row w [D]."""
+    r = lax.rsqrt(jnp.sum(s * s) / s.shape[0] + eps)  # one reduction over the warpgroup
+    normed = (s * r).astype(o_ref.dtype)  # the model's first rounding, then the weight's
+    o_ref[...] = (normed.astype(jnp.float32) * w.astype(jnp.float32)).astype(o_ref.dtype)
+
+
+def mosaic_norm_body(x_ref, w_ref, o_ref, *, eps: float):
+    """One row in one warpgroup: x_ref, w_ref (the layer's weight row), o_ref [D], in GMEM or SMEM
+    (SMEM where D is not a multiple of 128)."""
+    layout = row_layout(x_ref.shape[0], x_ref.dtype)
+    x = plgpu.load(x_ref, layout=layout).astype(jnp.float32)
+    _scale_row(x, plgpu.load(w_ref, layout=layout), o_ref, eps=eps)
+
+
+def mosaic_residual_body(p_gmem, r_ref, w_ref, s_ref, o_ref, *, eps: float, stages: int):
+    """One row in one warpgroup: p_gmem [splits, D] f32 (GMEM: streamed through SMEM, `stages` splits in
+    flight), r_ref, w_ref (the layer's weight row), s_ref, o_ref [D] in GMEM or SMEM."""
+    splits, dim = p_gmem.shape
+    layout = row_layout(dim, r_ref.dtype)
+    residual = plgpu.load(r_ref, layout=layout)  # loaded first: their latency hides behind the stream
+    w = plgpu.load(w_ref, layout=layout)
+
+    def add_split(_, p_smem, total):  # p_smem [1, D]
+        return total + plgpu.load(p_smem.at[0], layout=layout)
+
+    # -0.0 is the f32 sum's identity (+0.0 would turn a -0.0 into +0.0): total is p[0] + p[1] + ..., in order
+    start = plgpu.layout_cast(jnp.full((dim,), -0.0, jnp.float32), layout)
+    spec = plgpu.BlockSpec((1, dim), lambda i: (i, 0), oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+    total = plgpu.emit_pipeline(
+        add_split, grid=(splits,), in_specs=[spec], max_concurrent_steps=stages, init_carry=start
+    )(p_gmem)
+    block_out = total.astype(s_ref.dtype)  # the projection's rounding
+    s = (residual.astype(jnp.float32) + block_out.astype(jnp.float32)).astype(s_ref.dtype)  # the add's
+    s_ref[...] = s
+    _scale_row(s.astype(jnp.float32), w, o_ref, eps=eps)
+
+
+def _staged(body, ins, outs):
+    """body(*ins, *outs) on SMEM copies of the GMEM rows `ins` (TMA in), then the SMEM `outs` copied out."""
+
+    def scope(*refs):
+        *smems, barrier = refs
+        in_smems, out_smems = smems[: len(ins)], smems[len(ins) :]
+        for gmem, smem in zip(ins, in_smems):
+            plgpu.copy_gmem_to_smem(gmem, smem, barrier, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        plgpu.barrier_wait(barrier)
+        body(*in_smems, *out_smems)
+        plgpu.commit_smem()
+        for gmem, smem in zip(outs, out_smems):
+            plgpu.copy_smem_to_gmem(smem, gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    smem = [plgpu.SMEM(ref.shape, ref.dtype) for ref in (*ins, *outs)]
+    pl.run_scoped(scope, *smem, plgpu.Barrier(num_arrivals=len(ins)))
+
+
+def _mosaic_norm_kernel(layer_gmem, x_gmem, w_gmem, o_gmem, *, eps: float):
+    """layer_gmem [1] int32, x_gmem [M, D], w_gmem [L, D] (the whole stack), o_gmem [M, D]: row m of the grid."""
+    m = lax.axis_index("m")
+    rows = (x_gmem.at[m], w_gmem.at[layer_gmem[0]], o_gmem.at[m])  # views: the weight row is read in place
+    body = functools.partial(mosaic_norm_body, eps=eps)
+    if x_gmem.shape[1] % 128:
+        _staged(body, rows[:2], rows[2:])
+    else:
+        body(*rows)
+
+
+def _mosaic_residual_kernel(layer_gmem, p_gmem, r_gmem, w_gmem, s_gmem, o_gmem, *, eps: float, stages: int):
+    """layer_gmem [1] int32, p_gmem [splits, M, D] f32, r_gmem [M, D], w_gmem [L, D] (the whole stack);
+    s_gmem, o_gmem [M, D]: row m of the grid."""
+    m = lax.axis_index("m")
+    rows = (r_gmem.at[m], w_gmem.at[layer_gmem[0]], s_gmem.at[m], o_gmem.at[m])
+    body = functools.partial(mosaic_residual_body, p_gmem.at[:, m], eps=eps, stages=stages)
+    if r_gmem.shape[1] % 128:
+        _staged(body, rows[:2], rows[2:])
+    else:
+        body(*rows)
+
+
 # ---------------------------------------------------------------------------------------------
-# pallas_call wrappers
+# Kernel wrappers
 
 
 def _norm_call(x, weights, layer, *, eps: float, num_warps: int, interpret: bool, poison: bool) -> jax.Array:
@@ -157,11 +268,58 @@ def _residual_call(
     )(*inputs)
 
 
+def _mosaic_checks(dim: int, *, interpret: bool, poison: bool):
+    if dim % 64:
+        raise ValueError(f"the mosaic kernels take D a multiple of 64 (a row over one warpgroup), got D={dim}")
+    if poison and not interpret:
+        raise ValueError(
+            "poison needs interpret mode for the mosaic kernels: plgpu.kernel takes no input_output_aliases in jax 0.11"
+        )
+
+
+def _interpret_params(interpret: bool):
+    # The interpreter's GMEM outputs start as NaN: an unwritten element shows (`poison`).
+    return plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None
+
+
+def _mosaic_norm_call(x, weights, layer, *, eps: float, interpret: bool, poison: bool) -> jax.Array:
+    """The plgpu.kernel of `rms_norm`: one warpgroup per row of x [M, D]; weights [L, D] whole."""
+    rows, dim = x.shape
+    _mosaic_checks(dim, interpret=interpret, poison=poison)
+    return plgpu.kernel(
+        functools.partial(_mosaic_norm_kernel, eps=eps),
+        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(rows,),
+        grid_names=("m",),
+        interpret=_interpret_params(interpret),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x, weights)
+
+
+def _mosaic_residual_call(
+    partials, residual, weights, layer, *, eps: float, interpret: bool, poison: bool, smem_bytes: int = SMEM_BYTES
+) -> tuple[jax.Array, jax.Array]:
+    """The plgpu.kernel of `residual_rms_norm`: one warpgroup per row; weights [L, D] whole."""
+    splits, rows, dim = partials.shape
+    _mosaic_checks(dim, interpret=interpret, poison=poison)
+    staged = 4 * dim * residual.dtype.itemsize if dim % 128 else 0  # rows staged through SMEM: 2 in, 2 out
+    stages = min(splits, (smem_bytes - staged) // (4 * dim))  # one f32 split of the row a stage
+    if stages < 1:
+        raise ValueError(f"one split of the row ({4 * dim} bytes) and {staged} staged bytes exceed {smem_bytes=}")
+    out = jax.ShapeDtypeStruct(residual.shape, residual.dtype)
+    return plgpu.kernel(
+        functools.partial(_mosaic_residual_kernel, eps=eps, stages=stages),
+        out_type=(out, out),
+        grid=(rows,),
+        grid_names=("m",),
+        interpret=_interpret_params(interpret),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), partials, residual, weights)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public ops
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison", "impl"))
 def rms_norm(
     x: jax.Array,  # [M, D]
     weights: jax.Array,  # [L, D]
@@ -171,20 +329,27 @@ def rms_norm(
     num_warps: int = 4,
     interpret: bool = False,
     poison: bool = False,
+    impl: str = "triton",
 ) -> jax.Array:
     """weights[layer] * (x / sqrt(mean(x², axis=-1) + eps)) for x [M, D] and a stack weights [L, D].
 
-    The weight row is read in place (the kernel gets the whole stack and the index). poison=True
-    (tests) hands the kernel a NaN-filled output buffer, so an unwritten element shows as NaN.
+    The weight row is read in place (the kernel gets the whole stack and the index, which it does not
+    clamp: it must lie in [0, L)). impl: "triton" | "mosaic" (D a multiple of 64). num_warps: Triton
+    only. poison=True (tests) hands the kernel a NaN-filled output buffer, so an unwritten element shows
+    as NaN (mosaic: interpret mode only).
     """
     if x.ndim != 2 or weights.ndim != 2 or weights.shape[1] != x.shape[1]:
         raise ValueError(f"rms_norm takes x [M, D] and weights [L, D], got {x.shape} and {weights.shape}")
     if x.dtype != weights.dtype:
         raise ValueError(f"x and weights must share a dtype, got {x.dtype} and {weights.dtype}")
+    if impl == "mosaic":
+        return _mosaic_norm_call(x, weights, layer, eps=eps, interpret=interpret, poison=poison)
+    if impl != "triton":
+        raise ValueError(f"unknown impl {impl!r}: 'triton' or 'mosaic'")
     return _norm_call(x, weights, layer, eps=eps, num_warps=num_warps, interpret=interpret, poison=poison)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret", "poison", "impl"))
 def residual_rms_norm(
     partials: jax.Array,  # [splits, M, D] f32
     residual: jax.Array,  # [M, D]
@@ -195,6 +360,7 @@ def residual_rms_norm(
     num_warps: int = 16,
     interpret: bool = False,
     poison: bool = False,
+    impl: str = "triton",
 ) -> tuple[jax.Array, jax.Array]:
     """(s, rms_norm(s) · weights[layer]) for s = residual + Σ partials: partials [splits, M, D] f32 (a GEMM's
     split-K partial sums), residual [M, D], weights a stack [L, D] read in place. One program per row.
@@ -205,10 +371,12 @@ def residual_rms_norm(
       s = residual + block_out
       return s, rms_norm(s, weights[layer], eps)
 
-    poison=True (tests) hands the kernel NaN-filled output buffers, so an unwritten element shows as NaN.
-    One program reads the row's partials alone (64 KB for Llama's o GEMV at batch 1), so it takes 16 warps
-    to keep enough loads in flight: in Llama-3.1-8B decode on the H200 at batch 1, 4 warps were slower than
-    XLA's fusion and the norm kernel, 16 never slower (A/B runs; see docs/log/).
+    impl: "triton" | "mosaic" (D a multiple of 64). poison=True (tests) hands the kernel NaN-filled output
+    buffers, so an unwritten element shows as NaN (mosaic: interpret mode only). num_warps: Triton only. One
+    program reads the row's partials alone (64 KB for Llama's o GEMV at batch 1), so Triton takes 16 warps to
+    keep enough loads in flight: in Llama-3.1-8B decode on the H200 at batch 1, 4 warps were slower than XLA's
+    fusion and the norm kernel, 16 never slower (A/B runs; see docs/log/). Mosaic keeps them in flight as
+    TMA bulk copies instead.
     """
     if (
         partials.ndim != 3
@@ -226,6 +394,10 @@ def residual_rms_norm(
             f"partials must be float32 and residual and weights share a dtype, got {partials.dtype}, "
             f"{residual.dtype} and {weights.dtype}"
         )
+    if impl == "mosaic":
+        return _mosaic_residual_call(partials, residual, weights, layer, eps=eps, interpret=interpret, poison=poison)
+    if impl != "triton":
+        raise ValueError(f"unknown impl {impl!r}: 'triton' or 'mosaic'")
     return _residual_call(
         partials, residual, weights, layer, eps=eps, num_warps=num_warps, interpret=interpret, poison=poison
     )
