@@ -6,7 +6,8 @@ elementwise work on [B, (N + 2K)·H] values and two single-row cache writes. XLA
 kernels per layer on the GPU (q's RoPE and row padding, then one in-place write per cache), each a
 launch around a few KB, or five at batch 8 (a transpose first, and the writes as scatters).
 This kernel does all of it in one launch over (sequence, kv head, role): one program per query
-head, one for the key head and one for the value head, each with a few loads before its stores.
+head, one for the key head and one for the value head, each with a few loads before its stores
+(the Mosaic GPU kernel takes 8 sequences a program, see below).
 On an H200 (Llama-3.1-8B decode) it takes about a third of the time of XLA's three kernels per
 layer (see docs/log/). A first version with one program per kv head, its heads one after another,
 gained nothing end to end.
@@ -21,9 +22,21 @@ positions[b], clamped to [0, S - 1] as `dynamic_update_slice` clamps, of layer `
 which are updated in place (outputs aliased to the inputs). q comes back as rows [B, K, R, H]: row
 g < G of kv head h is query head h·G + g, rows G..R-1 are zero (`decode_attention_sync_rows` reads it).
 
-Backend: Pallas-Triton, like the attention kernel it feeds. Each program loads a few strided
-columns of the partials and stores single rows at data-dependent positions of a 5-D stack; there is
-no TMA or wgmma work for Mosaic GPU here. It runs in interpret mode on the CPU (tests).
+Backends (`impl`):
+- "triton" (the default): Pallas-Triton, like the attention kernel it feeds; the programs above, one
+  warp each, load a few strided columns of the partials and store single rows at data-dependent
+  positions of the 5-D stacks. Tested with `interpret=True` on the CPU.
+- "mosaic": Mosaic GPU (`plgpu.kernel`, Hopper), one warpgroup per (kv head, role, chunk of 8
+  sequences). Its registers hold arrays of whole 128-thread rounds, which a head row is not always
+  (SmolLM2: H = 64, and 192 elements for its 3 kv heads), so a program works on [8, H/2] arrays: 8
+  sequences are one 32-byte row of a partial tile. TMA brings the written slots' tiles [H/2, 8] f32,
+  the cos and sin rows and the bias into shared memory; the tiles are read through a transposed view;
+  the results are staged as rows in shared memory and leave by TMA, one copy per row. A TMA copy
+  takes the cache position as a scalar index, writes a row of any length and is issued by one thread,
+  where plain stores would need whole rounds of the warpgroup. The stacks go in as refs
+  (`jax.new_ref`), whose discharge aliases each to an output of the call, so they are updated in place
+  as with pallas_call's input_output_aliases (plgpu.kernel takes no aliases in jax 0.11). Tested with
+  Mosaic GPU's interpreter on the CPU and lowered for CUDA on any host; the compiled test needs Hopper.
 """
 
 from __future__ import annotations
@@ -33,17 +46,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 
-def fits(heads: int, kv_heads: int, head_dim: int, tile_n: int, rows: int) -> bool:
+def fits(heads: int, kv_heads: int, head_dim: int, tile_n: int, rows: int, *, impl: str = "triton") -> bool:
     """Whether the kernel takes this shape: half a head inside one GEMM tile (so one `written` flag
-    covers it), a power-of-two half head (Triton's loads) and the G query heads within R rows."""
+    covers it), the G query heads within R rows, and a half head of a power of two (Triton's loads) or
+    of a multiple of 16 (Mosaic GPU: a [CHUNK, H/2] array is a whole number of 128-thread rounds)."""
     half = head_dim // 2
     return (
         head_dim % 2 == 0
-        and half & (half - 1) == 0
+        and (half & (half - 1) == 0 if impl == "triton" else half % 16 == 0)
         and tile_n % half == 0
         and heads % kv_heads == 0
         and heads // kv_heads <= rows
@@ -119,9 +135,241 @@ def _kernel(layer_ref, pos_ref, *refs, heads: int, kv_heads: int, tile_n: int, b
         )
 
 
-@functools.partial(jax.jit, static_argnames=("written", "heads", "tile_n", "rows", "interpret", "poison"))
+CHUNK = 8  # sequences per Mosaic GPU program: one 32-byte row of a partial tile (8 f32)
+
+
+def _mosaic_body(
+    h,  # kv head
+    role,  # r < G: query head h·G + r; G: key head h; G + 1: value head h
+    chunk,  # sequences [CHUNK·chunk, CHUNK·chunk + CHUNK)
+    layer_gmem,  # [1] int32
+    pos_gmem,  # [B] int32
+    written_gmem,  # [P, T] int32, or None: every slot written
+    part_gmem,  # [P, C, M8] f32
+    cos_gmem,  # [B, H] f32
+    sin_gmem,  # [B, H] f32
+    bias_gmems,  # () or ([L, N·H], [L, K·H], [L, K·H])
+    k_gmem,  # [L, B, S, K, H], written in place
+    v_gmem,  # [L, B, S, K, H], written in place
+    q_gmem,  # [B, K, R, H]
+    scratch,
+    *,
+    heads: int,
+    tile_n: int,
+):
+    """One head (role) of CHUNK sequences, as a function of refs (a phase of a larger kernel could call it
+    with its own indices and scratch). TMA brings the head's partial tiles [H/2, CHUNK] f32 (the written
+    slots only), the sequences' cos, sin rows [CHUNK, H] and the bias (one row copy per sequence: the
+    registers' strided layout has no broadcast over a leading dimension of fewer than 128 elements) into
+    SMEM. Registers hold [CHUNK, H/2] arrays, one element per thread and register (the partial tiles read
+    through a transposed view); the results are staged as rows [CHUNK, H] in SMEM and leave as one TMA
+    copy per row, the cache rows at their data-dependent positions."""
+    parts_smem, rope_smem, bias_smem, out_smem, zeros_smem, part_bars, rope_bar, bias_bar = scratch
+    slots = part_gmem.shape[0]
+    batch, cache_len, kv_heads, head_dim = k_gmem.shape[1:]
+    rows = q_gmem.shape[2]
+    half, group = head_dim // 2, heads // kv_heads
+    dtype = k_gmem.dtype
+    layer = layer_gmem[0]
+    b0 = chunk * CHUNK
+    # the head's first column in the partials: q heads, then k heads, then v heads
+    head = jnp.where(role < group, h * group + role, jnp.where(role == group, heads + h, heads + kv_heads + h))
+    col = head * head_dim
+
+    def if_written(flag, fn):  # fn() where the slot's tile is written (always, without a table)
+        if flag is None:
+            fn()
+        else:
+            pl.when(flag)(fn)
+
+    # loads: partial tiles of the written slots (the flag of each half's tile), cos and sin, the bias row
+    flags = [[None] * 2 for _ in range(slots)]
+    for p in range(slots):
+        for j in range(2):
+            if written_gmem is not None:
+                flags[p][j] = written_gmem[p, lax.div(col + j * half, tile_n)] != 0
+            src = part_gmem.at[p, pl.ds(col + j * half, half), pl.ds(b0, CHUNK)]
+            dst = parts_smem.at[p, j]
+            if_written(flags[p][j], functools.partial(plgpu.copy_gmem_to_smem, src, dst, part_bars.at[2 * p + j]))
+    for i, table in enumerate((cos_gmem, sin_gmem)):  # rows past B: TMA fills them with zeros
+        plgpu.copy_gmem_to_smem(table.at[pl.ds(b0, CHUNK)], rope_smem.at[i], rope_bar)
+    if bias_gmems:
+        for r, (bias_gmem, start) in enumerate(zip(bias_gmems, (h * group + role, h, h))):
+
+            @pl.when(role < group if r == 0 else role == group + r - 1)
+            def _():
+                # whole SMEM rows: a copy moves a multiple of 128 bytes (the columns past the head are
+                # unused, past the end of the stack TMA fills them with zeros)
+                src = bias_gmem.at[layer, pl.ds(start * head_dim, bias_smem.shape[1])]
+                for i in range(CHUNK):
+                    plgpu.copy_gmem_to_smem(src, bias_smem.at[i], bias_bar)
+
+    for p in range(slots):
+        for j in range(2):
+            if_written(flags[p][j], functools.partial(plgpu.barrier_wait, part_bars.at[2 * p + j]))
+    plgpu.barrier_wait(rope_bar)
+    if bias_gmems:
+        plgpu.barrier_wait(bias_bar)
+
+    strided = plgpu.Layout.WG_STRIDED((CHUNK, half), vec_size=1)
+    load = lambda ref: plgpu.load(ref, layout=strided)  # noqa: E731
+
+    def value(j):
+        """Half j of the head, [CHUNK, H/2]: the written slots summed in slot order, rounded, plus the bias
+        (rounded again), as f32."""
+        total = jnp.zeros((CHUNK, half), jnp.float32)
+        for p in range(slots):
+            part = load(parts_smem.at[p, j].T)  # [CHUNK, H/2] of the [H/2, CHUNK] tile
+            total = total + (part if flags[p][j] is None else jnp.where(flags[p][j], part, 0.0))
+        y = total.astype(dtype)
+        if bias_gmems:
+            bias = load(bias_smem.at[:, pl.ds(j * half, half)])
+            y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+        return y.astype(jnp.float32)
+
+    lo, hi = value(0), value(1)
+
+    @pl.when(role <= group)
+    def _():  # rotate-half: [x_lo, x_hi]·cos + [-x_hi, x_lo]·sin, rounded
+        cos_lo, cos_hi = load(rope_smem.at[0, :, pl.ds(0, half)]), load(rope_smem.at[0, :, pl.ds(half, half)])
+        sin_lo, sin_hi = load(rope_smem.at[1, :, pl.ds(0, half)]), load(rope_smem.at[1, :, pl.ds(half, half)])
+        out_smem[:, pl.ds(0, half)] = (lo * cos_lo + -hi * sin_lo).astype(dtype)
+        out_smem[:, pl.ds(half, half)] = (hi * cos_hi + lo * sin_hi).astype(dtype)
+
+    @pl.when(role == group + 1)
+    def _():
+        out_smem[:, pl.ds(0, half)] = lo.astype(dtype)
+        out_smem[:, pl.ds(half, half)] = hi.astype(dtype)
+
+    if zeros_smem is not None:
+        zeros_smem[...] = jnp.zeros(zeros_smem.shape, dtype)
+    plgpu.commit_smem()
+
+    # stores: one row per sequence; the cache rows at positions clamped as dynamic_update_slice clamps
+    for i in range(CHUNK):
+        b = b0 + i
+        row = out_smem.at[i, pl.ds(0, head_dim)]
+
+        @pl.when((b < batch) & (role < group))
+        def _():
+            plgpu.copy_smem_to_gmem(row, q_gmem.at[b, h, role])
+
+        @pl.when((b < batch) & (role >= group))
+        def _():
+            pos = jnp.minimum(jnp.maximum(pos_gmem[b], 0), cache_len - 1)
+
+            @pl.when(role == group)
+            def _():
+                plgpu.copy_smem_to_gmem(row, k_gmem.at[layer, b, pos, h])
+                if zeros_smem is not None:  # q's rows G..R-1
+                    src = zeros_smem.at[pl.ds(0, rows - group)]
+                    plgpu.copy_smem_to_gmem(src, q_gmem.at[b, h, pl.ds(group, rows - group)])
+
+            @pl.when(role == group + 1)
+            def _():
+                plgpu.copy_smem_to_gmem(row, v_gmem.at[layer, b, pos, h])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic_call(inputs, biases, k_stack, v_stack, q_shape, *, heads, tile_n, interpret, poison):
+    """plgpu.kernel over (kv head, role, chunk of sequences). The stacks go in as refs (`jax.new_ref`):
+    the kernel writes their rows, and discharging the refs aliases each stack to an output of the call, as
+    pallas_call's input_output_aliases does (plgpu.kernel takes no aliases argument in jax 0.11)."""
+    layer, positions, written, partials, cos, sin = inputs
+    slots, _, m8 = partials.shape
+    batch, kv_heads, rows, head_dim = q_shape.shape
+    group = heads // kv_heads
+    dtype = k_stack.dtype
+    # a splat stored to SMEM goes as 8-byte vectors from each of 128 threads: whole rounds of them
+    round_elems = 128 * max(1, 8 // jnp.dtype(dtype).itemsize)
+    zero_unit = round_elems // np.gcd(head_dim, round_elems)
+
+    bias_dtype = biases[0].dtype if biases else dtype
+
+    def padded(dt):  # a row's length in SMEM: TMA copies start at 128-byte aligned addresses and move 128·n bytes
+        size = jnp.dtype(dt).itemsize
+        return -(-head_dim * size // 128) * 128 // size
+
+    def kernel(*refs):
+        *ins, k_ref, v_ref, q_ref = refs
+        layer_ref, pos_ref, *ins = ins
+        written_ref, ins = (ins[0], ins[1:]) if written is not None else (None, ins)
+        part_ref, cos_ref, sin_ref, *bias_refs = ins
+
+        def scoped(*scratch):
+            if rows == group:
+                scratch = (*scratch[:4], None, *scratch[4:])
+            _mosaic_body(
+                lax.axis_index("h"),
+                lax.axis_index("r"),
+                lax.axis_index("c"),
+                layer_ref,
+                pos_ref,
+                written_ref,
+                part_ref,
+                cos_ref,
+                sin_ref,
+                tuple(bias_refs),
+                k_ref,
+                v_ref,
+                q_ref,
+                scratch,
+                heads=heads,
+                tile_n=tile_n,
+            )
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((slots, 2, head_dim // 2, CHUNK), jnp.float32),  # partial tiles
+            plgpu.SMEM((2, CHUNK, head_dim), jnp.float32),  # cos, sin
+            plgpu.SMEM((CHUNK, padded(bias_dtype)), bias_dtype),  # the bias row, once per sequence
+            plgpu.SMEM((CHUNK, padded(dtype)), dtype),  # the rows out
+            # q's padding rows, R - G rows rounded up to whole rounds of stores
+            *([plgpu.SMEM((-(-(rows - group) // zero_unit) * zero_unit, head_dim), dtype)] if rows > group else []),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=CHUNK),
+        )
+
+    k_ref, v_ref = jax.new_ref(k_stack), jax.new_ref(v_stack)
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), positions]
+    operands += [written] if written is not None else []
+    operands += [partials, cos, sin, *biases, k_ref, v_ref]
+    q_ref = jax.new_ref(jnp.full(q_shape.shape, jnp.nan, q_shape.dtype)) if poison else None
+    q = plgpu.kernel(
+        kernel,
+        out_type=() if poison else q_shape,
+        grid=(kv_heads, group + 2, m8 // CHUNK),
+        grid_names=("h", "r", "c"),
+        # Lane semantics: the arrays' layouts are the explicit strided ones above, not inferred.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        # The interpreter's GMEM outputs start as NaN, so q's rows show any element left unwritten.
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
+        kernel_name="qkv_rope_write_mosaic",
+    )(*operands, *([q_ref] if poison else []))
+    q = jax.freeze(q_ref) if poison else q
+    return q, jax.freeze(k_ref), jax.freeze(v_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("written", "heads", "tile_n", "rows", "impl", "interpret", "poison"))
 def _qkv_rope_write(
-    partials, written, cos, sin, positions, k_stack, v_stack, layer, biases, *, heads, tile_n, rows, interpret, poison
+    partials,
+    written,
+    cos,
+    sin,
+    positions,
+    k_stack,
+    v_stack,
+    layer,
+    biases,
+    *,
+    heads,
+    tile_n,
+    rows,
+    impl,
+    interpret,
+    poison,
 ):
     written = np.asarray(written, bool).reshape(len(written), -1)
     slots, columns, m8 = partials.shape
@@ -143,14 +391,32 @@ def _qkv_rope_write(
             f"cos, sin must be [B, H] = [{batch}, {head_dim}] and positions [B]; got {list(cos.shape)}, "
             f"{list(sin.shape)}, {list(positions.shape)}"
         )
-    if not fits(heads, kv_heads, head_dim, tile_n, rows):
+    if impl not in ("triton", "mosaic"):
+        raise ValueError(f"impl must be 'triton' or 'mosaic', got {impl!r}")
+    if impl == "mosaic" and m8 % CHUNK:
+        raise ValueError(f"the mosaic kernel reads the partials' M8 in chunks of {CHUNK}, got M8 = {m8}")
+    if not fits(heads, kv_heads, head_dim, tile_n, rows, impl=impl):
         raise ValueError(
-            f"qkv_rope_write takes half heads inside one tile of {tile_n} columns, a power-of-two "
-            f"half head and G <= rows; got heads={heads}, K={kv_heads}, H={head_dim}, rows={rows}"
+            f"qkv_rope_write takes half heads inside one tile of {tile_n} columns, a half head of a power "
+            f"of two (triton) or a multiple of 16 (mosaic) and G <= rows; got heads={heads}, K={kv_heads}, "
+            f"H={head_dim}, rows={rows}, impl={impl}"
         )
     if len(biases) not in (0, 3):
         raise ValueError(f"biases must be () or three stacks (q, k, v), got {len(biases)}")
     table = not written.all()
+    if impl == "mosaic":
+        q_shape = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), k_stack.dtype)
+        inputs = (
+            jnp.asarray(layer, jnp.int32),
+            positions.astype(jnp.int32),
+            jnp.asarray(written, jnp.int32) if table else None,
+            partials,
+            cos.astype(jnp.float32),
+            sin.astype(jnp.float32),
+        )
+        return _mosaic_call(
+            inputs, biases, k_stack, v_stack, q_shape, heads=heads, tile_n=tile_n, interpret=interpret, poison=poison
+        )
     body = functools.partial(_kernel, heads=heads, kv_heads=kv_heads, tile_n=tile_n, biased=bool(biases), table=table)
     whole = pl.BlockSpec()
     inputs = [
@@ -206,6 +472,7 @@ def qkv_rope_write(
     heads: int,
     tile_n: int,
     rows: int = 16,
+    impl: str = "triton",
     interpret: bool = False,
     poison: bool = False,
 ):
@@ -215,6 +482,7 @@ def qkv_rope_write(
     of bools, T = columns / tile_n: a static property of the GEMM's schedule); cos, sin [B, H] f32 (the
     token's angles, halves repeated); positions [B] int32; k_stack, v_stack [L, B, S, K, H] (updated in
     place); layer an int32 scalar; biases () or the three stacks [L, heads·H], [L, K·H], [L, K·H].
+    impl: "triton" (Pallas-Triton) or "mosaic" (Mosaic GPU, Hopper); see the module docstring.
     poison=True (tests) starts q from NaN. Where every slot is written the kernel takes no table (as an
     input it would be a constant that XLA rebuilds with a broadcast kernel inside the layer loop).
     """
@@ -234,6 +502,7 @@ def qkv_rope_write(
         heads=heads,
         tile_n=tile_n,
         rows=rows,
+        impl=impl,
         interpret=interpret,
         poison=poison,
     )

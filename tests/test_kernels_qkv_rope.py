@@ -1,7 +1,10 @@
-"""kernels/qkv_rope (the q·k·v epilogue: split sum, bias, RoPE, q rows, cache writes) against its jnp
-reference, which is checked against the model's own ops; in interpret mode on the CPU and compiled on
-an H100/H200. q starts poisoned (NaN) and unwritten partial slots hold NaN, so an element the kernel
-skips, or a slot it adds that the GEMM never wrote, shows up."""
+"""kernels/qkv_rope (the q·k·v epilogue: split sum, bias, RoPE, q rows, cache writes), Pallas-Triton and
+Mosaic GPU, against its jnp reference, which is checked against the model's own ops; in interpret mode on
+the CPU, lowered for CUDA on any host (Mosaic GPU) and compiled on an H100/H200. q starts poisoned (NaN)
+and unwritten partial slots hold NaN, so an element the kernel skips, or a slot it adds that the GEMM never
+wrote, shows up."""
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,34 @@ SHAPES = [
     (3, 9, 3, 64, 64, 2, 48),
     (2, 4, 4, 32, 16, 2, 16),
 ]
+# (impl, shape, biased, every_slot, layer): every Triton case; few Mosaic GPU ones in interpret mode (its
+# interpreter is slow on a CPU): MHA with a bias, 12 sequences over two chunks of 8 in the middle of 3 layers,
+# SmolLM2's heads with every slot written (no table) and 13 zero rows of q. Compiled, Mosaic GPU takes every
+# shape and Llama-3.1-8B at batch 64 too.
+BIAS_SLOTS = [(False, False), (True, False), (False, True)]
+CASES = [
+    ("triton", shape, biased, every, shape[5] - 1) for shape, (biased, every) in itertools.product(SHAPES, BIAS_SLOTS)
+]
+MOSAIC_INTERPRETED = [
+    ("mosaic", (2, 4, 4, 32, 16, 2, 16), True, False, 1),
+    ("mosaic", (12, 4, 2, 32, 16, 3, 16), False, False, 1),
+    ("mosaic", (3, 9, 3, 64, 64, 2, 48), False, True, 0),
+]
+MOSAIC_COMPILED = [("mosaic", *case[1:]) for case in CASES] + [
+    MOSAIC_INTERPRETED[1],
+    ("mosaic", (64, 32, 8, 128, 64, 2, 16), True, False, 0),
+]
+
+
+def _params(cases):
+    return [
+        pytest.param(
+            *case,
+            id=f"{case[0]}-{'x'.join(map(str, case[1]))}-{'bias' if case[2] else 'nobias'}-"
+            f"{'all' if case[3] else 'table'}-layer{case[4]}",
+        )
+        for case in cases
+    ]
 
 
 def _inputs(batch, heads, kv_heads, head_dim, tile_n, layers, cache_len, seed=0, slots=3):
@@ -82,6 +113,43 @@ def test_fits():
     assert not fits(32, 8, 128, 32, 16)  # half a head spans two tiles
     assert not fits(6, 2, 24, 64, 16)  # a half head of 12 is no power of two
     assert not fits(64, 2, 128, 64, 16)  # G = 32 query heads do not fit 16 rows
+    assert fits(32, 8, 128, 64, 16, impl="mosaic") and fits(9, 3, 64, 64, 16, impl="mosaic")
+    assert fits(4, 2, 16, 8, 16) and not fits(4, 2, 16, 8, 16, impl="mosaic")  # [8, 8] is half a warpgroup
+
+
+# (B, N, K, H, D, biased): the q·k·v GEMM's real Stream-K schedule on 132 SMs, cache [4, B, 256, K, H] bf16
+LOWERED = {
+    "llama8b_b1": (1, 32, 8, 128, 4096, False),
+    "llama8b_b64_bias": (64, 32, 8, 128, 4096, True),
+    "llama70b_b8": (8, 64, 8, 128, 8192, False),
+    "smollm2_b12": (12, 9, 3, 64, 576, False),
+    "mha_h32_bias": (2, 4, 4, 32, 256, True),  # a bias row of 64 bytes: TMA loads move 128·n bytes
+}
+
+
+@pytest.mark.parametrize("name", list(LOWERED))
+def test_mosaic_lowers_for_hopper_on_any_host(name):
+    """Lowering for CUDA runs Mosaic GPU's layout and TMA checks (which the interpreter skips), on a machine
+    without a GPU; the stacks (jit arguments, donated) are the custom call's outputs 1 and 2, aliased."""
+    batch, heads, kv_heads, head_dim, d, biased = LOWERED[name]
+    cfg = StreamBlocks(tile_k=64 if d % 256 else 256)
+    sched = schedule(d, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), cfg, ctas=132)
+    sds = jax.ShapeDtypeStruct
+    parts = sds((sched.slots, (heads + 2 * kv_heads) * head_dim, -(-batch // 8) * 8), jnp.float32)
+    angles = sds((batch, head_dim), jnp.float32)
+    stack = sds((4, batch, 256, kv_heads, head_dim), jnp.bfloat16)
+    biases = tuple(sds((4, n * head_dim), jnp.bfloat16) for n in (heads, kv_heads, kv_heads)) if biased else ()
+
+    def op(parts, cos, sin, positions, k_stack, v_stack, layer, biases):
+        return qkv_rope_write(
+            parts, sched.written(), cos, sin, positions, k_stack, v_stack, layer, biases,
+            heads=heads, tile_n=cfg.tile_n, impl="mosaic",
+        )  # fmt: skip
+
+    args = (parts, angles, angles, sds((batch,), jnp.int32), stack, stack, sds((), jnp.int32), biases)
+    text = jax.jit(op, donate_argnums=(4, 5)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert "output_tuple_indices = [1], operand_index" in text and "output_tuple_indices = [2], operand_index" in text
 
 
 class TestQkvRopeWrite:
@@ -91,10 +159,10 @@ class TestQkvRopeWrite:
         if not self.INTERPRET and not ON_GPU:
             pytest.skip("the compiled kernel is checked on an H100/H200")
 
-    @pytest.mark.parametrize("shape", SHAPES)
-    @pytest.mark.parametrize("biased, every_slot", [(False, False), (True, False), (False, True)])
-    def test_matches_reference(self, shape, biased, every_slot):
-        """every_slot: all slots written (as in Llama-3.1-8B's q·k·v on one H200), so the kernel takes no table."""
+    @pytest.mark.parametrize("impl, shape, biased, every_slot, layer", _params(CASES + MOSAIC_INTERPRETED))
+    def test_matches_reference(self, impl, shape, biased, every_slot, layer):
+        """every_slot: all slots written (as in Llama-3.1-8B's q·k·v on one H200), so the kernel takes no table.
+        The last sequence's position is past the cache (the write clamps it to S - 1)."""
         batch, heads, kv_heads, head_dim, tile_n, layers, cache_len = shape
         parts, written, cos, sin, positions, k_stack, v_stack, biases = _inputs(
             *shape, seed=sum(shape), slots=2 if every_slot else 3
@@ -102,7 +170,6 @@ class TestQkvRopeWrite:
         if every_slot:
             written, parts = np.ones_like(written), jnp.nan_to_num(parts, nan=1.0)
         biases = biases if biased else ()
-        layer = layers - 1
         got = qkv_rope_write(
             parts,
             written,
@@ -115,6 +182,7 @@ class TestQkvRopeWrite:
             biases,
             heads=heads,
             tile_n=tile_n,
+            impl=impl,
             interpret=self.INTERPRET,
             poison=True,
         )
@@ -176,7 +244,17 @@ class TestQkvRopeWrite:
             call(biases=biases[:2])
         with pytest.raises(ValueError, match="half heads"):
             call(tile_n=4, written=np.ones((3, parts.shape[1] // 4), bool))
+        with pytest.raises(ValueError, match="half heads"):  # a half head of 8: [8, 8] arrays
+            call(impl="mosaic")
+        with pytest.raises(ValueError, match="impl"):
+            call(impl="xla")
+        with pytest.raises(ValueError, match="chunks of 8"):
+            call(impl="mosaic", partials=parts[:, :, :4])
 
 
 class TestQkvRopeWriteCompiled(TestQkvRopeWrite):
     INTERPRET = False
+
+    @pytest.mark.parametrize("impl, shape, biased, every_slot, layer", _params(CASES + MOSAIC_COMPILED))
+    def test_matches_reference(self, impl, shape, biased, every_slot, layer):
+        super().test_matches_reference(impl, shape, biased, every_slot, layer)
