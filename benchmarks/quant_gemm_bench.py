@@ -57,6 +57,7 @@ GROUP = 128
 FUSED = {"qkv": ((4096, 1024, 1024), 4096), "gate+up": ((14336, 14336), 4096)}  # (N_i, K): one launch each
 VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K); the first is the engine's
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
+    "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # int4 through Mosaic GPU's relayout
     "stream_acc_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="acc"),  # scales per group on the accumulators
     "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),  # scales and offsets on the codes
     "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),

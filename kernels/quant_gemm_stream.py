@@ -59,6 +59,10 @@ class QuantStreamBlocks:
     # Σx added) in f32 per unit; "w": codes scaled and offset in registers, in x's dtype, one accumulator;
     # "auto": "w" for weights with offsets, "acc" otherwise (the faster of the two for each on an H200)
     scale_in: str = "auto"
+    # int4 codes into wgmma's register operand: "relabel" (x's K order permuted within 32-column blocks
+    # so the upcast registers are the operand as they are, `permute_k`) or "shuffle" (Mosaic GPU's
+    # relayout: two warp shuffles and a byte permute per register)
+    int4_feed: str = "relabel"
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
 
@@ -89,6 +93,7 @@ class _Layout:
     wgs: int
     arrays: int  # arrays per weight: codes, scales (, offsets)
     scale_in: str
+    relabel: bool  # int4 codes reach wgmma relabelled, x permuted by `permute_k`
 
     @property
     def gw(self) -> int:  # columns of one group inside a unit
@@ -97,6 +102,49 @@ class _Layout:
     @property
     def group_rows(self) -> int:  # rows of the scales (offsets) tile: the unit's groups, or its one group
         return max(1, self.tile_k // self.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4 codes as wgmma's register operand without a relayout
+#
+# Mosaic GPU loads int4 codes from SMEM in WGMMA_UPCAST_4X: thread (row r, lane column c = 0..3) holds
+# columns 8c..8c+7 of each 32-column block in one 32-bit register. wgmma's register operand
+# (WGMMA_LAYOUT) wants that thread to hold columns {2c, 2c+1} of each 8-column tile of the block instead:
+# the rows agree, the columns do not, and Mosaic GPU's relayout moves them with two warp shuffles and a
+# byte permute per register (a quarter of the kernel's instructions at M = 1). Any order of K is fine
+# for a dot product as long as x is in the same order. So the upcast registers are relabelled as they
+# are (register column block b, element 2t + e becomes column 8t + 2c + e of block b), which makes the
+# operand wgmma sees W'[:, 32b + 8t + 2c + e] = W[:, 32b + 8c + 2t + e], and x is permuted the same way
+# once per call (`permute_k`, its own inverse). A group of G >= 32 columns keeps its columns.
+
+
+def permute_k(a):
+    """a [..., K] with columns 32b + 8c + 2t + e moved to 32b + 8t + 2c + e (K a multiple of 32)."""
+    *lead, k = a.shape
+    return a.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
+
+
+def _relabel_as_wgmma(w):
+    """w [rows, cw] (16-bit, WGMMA_UPCAST_4X layout) as a WGMMA_LAYOUT array of the same registers."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(w.shape, w.dtype, plgpu.Layout.WGMMA),
+    )
+    def relabel(_, arr):
+        old = arr.registers  # [1, cw/32, 1, 1, 2, 1, ...] of vector<8>: (32-column block, row half)
+        new = np.empty(fa.WGMMA_LAYOUT.registers_shape(arr.shape), dtype=object)  # (8-column tile, half)
+        assert old.shape[1] * 4 == new.shape[1] and old.shape[4] == new.shape[4] == 2, (old.shape, new.shape)
+        for idx in np.ndindex(new.shape):
+            src = list(idx)
+            src[1] = idx[1] // 4
+            t = idx[1] % 4
+            new[idx] = mgpu_utils.vector_slice(old[tuple(src)], slice(2 * t, 2 * t + 2))
+        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return relabel(w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +213,10 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         c_rows = c_smem.at[slot, pl.ds(r0, rows)]  # [rows, tile_k]
         for ci in range(tile_k // cw):
             chunk = plgpu.load(c_rows.at[:, pl.ds(ci * cw, cw)], layout=upcast)  # [rows, cw]
-            chunk = plgpu.layout_cast(chunk, plgpu.Layout.WGMMA).astype(cdt)
+            if lay.relabel:
+                chunk = permute_k(chunk.astype(cdt)) if interpret else _relabel_as_wgmma(chunk.astype(cdt))
+            else:
+                chunk = plgpu.layout_cast(chunk, plgpu.Layout.WGMMA).astype(cdt)
             for gj in range(cw // gw):
                 g = ci * (cw // gw) + gj  # group within the unit
                 yield g, chunk[:, gj * gw : (gj + 1) * gw], x_smem.at[slot, :, pl.ds(g * gw, gw)].T
@@ -270,6 +321,8 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"the kernel takes bf16 or f16 x, got {x.dtype}")
     if m > MAX_M:
         raise UntiledShape(f"the quantized stream GEMM takes M <= {MAX_M}, got M={m}")
+    if cfg.int4_feed not in ("relabel", "shuffle"):
+        raise UntiledShape(f"int4_feed must be 'relabel' or 'shuffle', got {cfg.int4_feed!r}")
     if cfg.scale_in not in ("acc", "w", "auto"):
         raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
     if cfg.compute_wgs not in (1, 2, 3, 4) or cfg.tile_n % (64 * cfg.compute_wgs):
@@ -307,7 +360,10 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     if fit < 2:
         raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={cfg.smem_bytes} at M={m}")
     stages = max(2, min(cfg.stages, fit))
-    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in)
+    relabel = bits == 4 and cfg.int4_feed == "relabel" and group % 32 == 0
+    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, relabel)
+    if relabel:
+        x = permute_k(x)
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),
         plgpu.SMEM(

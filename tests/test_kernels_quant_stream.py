@@ -203,3 +203,14 @@ def test_schedule_is_the_bf16_stream_kernels():
     ours = flat_gemm_stream.schedule(4096, (4096, 1024, 1024), cfg.gemm_blocks(), 132)
     theirs = flat_gemm_stream.schedule(4096, (4096, 1024, 1024), flat_gemm_stream.StreamBlocks(128, 256), 132)
     assert ours == theirs and ours.units == 48 * 16
+
+
+def test_permute_k_moves_each_column_as_the_register_relabel_does():
+    """permute_k puts column 32b + 8c + 2t + e at 32b + 8t + 2c + e (by hand) and is its own inverse."""
+    from kernels.quant_gemm_stream import permute_k
+
+    k = 64
+    cols = np.asarray(permute_k(jnp.arange(k)[None]))[0]
+    for b, c, t, e in np.ndindex(k // 32, 4, 4, 2):
+        assert cols[32 * b + 8 * t + 2 * c + e] == 32 * b + 8 * c + 2 * t + e
+    np.testing.assert_array_equal(np.asarray(permute_k(permute_k(jnp.arange(k)[None])))[0], np.arange(k))
