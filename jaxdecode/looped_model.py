@@ -361,6 +361,7 @@ def kernel_qkv_attend(
     gemm_blocks: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
     attention_blocks: decode_attention.BlockSizes = decode_attention.BlockSizes(),
     quant_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
+    epilogue_backend: str = "triton",
     interpret: bool = False,
 ):
     """The `stacked_calls["qkv_attend"]` hook: `model.qkv_attend` for one new token per sequence as three
@@ -381,6 +382,7 @@ def kernel_qkv_attend(
 
     Quantized weights arrive as their leaves (codes, scales(, offsets) each, no biases): the q·k·v GEMM
     is then `kernels.quant_gemm_stream` (`quant_blocks`), whose partials have the same layout.
+    epilogue_backend: the epilogue kernel's, "triton" or "mosaic" (`kernels.qkv_rope`).
     """
     if impl not in (None, "stream"):
         raise ValueError(f"kernel_qkv_attend impl must be None or 'stream', got {impl!r}")
@@ -417,7 +419,7 @@ def kernel_qkv_attend(
     else:
         tile_n = gemm_blocks.tile_n
         fits = _qkv_stream_fits(batch, d, widths, x.dtype, gemm_blocks, dispatched=impl is None)
-    if not fits or not qkv_rope.fits(heads, kv_heads, head_dim, tile_n, rows):
+    if not fits or not qkv_rope.fits(heads, kv_heads, head_dim, tile_n, rows, impl=epilogue_backend):
         return None
     q_spec = jax.ShapeDtypeStruct((batch, 1, heads, head_dim), x.dtype)
     if _attention_impl(q_spec, k_cache, v_cache, "sync" if impl else None, attention_blocks) != "sync":
@@ -441,6 +443,7 @@ def kernel_qkv_attend(
         heads=heads,
         tile_n=tile_n,
         rows=rows,
+        impl=epilogue_backend,
         interpret=interpret,
     )
     out = decode_attention.decode_attention_sync_rows(
@@ -529,13 +532,23 @@ def _norm_kernel_runs(dtype, impl: str | None, hook: str) -> bool:
     return True
 
 
-def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, num_warps: int = 4, interpret: bool = False):
+def kernel_rms_norm(
+    x,
+    weight,
+    eps,
+    *,
+    impl: str | None = None,
+    backend: str = "triton",
+    num_warps: int = 4,
+    interpret: bool = False,
+):
     """The `stacked_calls["rms_norm"]` hook: `model.rms_norm` as one `kernels.rms_norm` launch that
     reads the layer's norm weight in place (XLA runs a norm as two kernels, a reduction and a scale).
     x [..., D]; weight a `StackedRef` of the [L, D] stack; eps the model's (a constant of the traced
     layer). Returns [y [..., D]], or None (the call is then evaluated as written): when eps is not a
     constant, and, with `impl=None`, for inputs that are not 16-bit or on a device without a tuned
-    kernel table (like the other kernels: measured on the H200 only)."""
+    kernel table (like the other kernels: measured on the H200 only). backend: the kernel's, "triton" or
+    "mosaic" (`kernels.rms_norm`)."""
     if (
         not isinstance(weight, StackedRef)
         or isinstance(x, StackedRef)
@@ -546,14 +559,28 @@ def kernel_rms_norm(x, weight, eps, *, impl: str | None = None, num_warps: int =
     if not _norm_kernel_runs(x.dtype, impl, "kernel_rms_norm"):
         return None
     y = rms_norm.rms_norm(
-        x.reshape(-1, x.shape[-1]), weight.stack, weight.index, eps=eps, num_warps=num_warps, interpret=interpret
+        x.reshape(-1, x.shape[-1]),
+        weight.stack,
+        weight.index,
+        eps=eps,
+        num_warps=num_warps,
+        impl=backend,
+        interpret=interpret,
     )
     return [y.reshape(x.shape)]
 
 
 @takes_split_sums
 def kernel_split_residual_norm(
-    x, block_out, weight, eps, *comm, impl: str | None = None, num_warps: int = 16, interpret: bool = False
+    x,
+    block_out,
+    weight,
+    eps,
+    *comm,
+    impl: str | None = None,
+    backend: str = "triton",
+    num_warps: int = 16,
+    interpret: bool = False,
 ):
     """The `stacked_calls["residual_norm"]` hook on one device: `model.residual_norm` (the attention's
     residual add, then the MLP's input norm) as one `kernels.rms_norm.residual_rms_norm` launch that
@@ -564,7 +591,8 @@ def kernel_split_residual_norm(
     stack; eps the model's (a constant); comm empty (one device). Returns [s, normed], or None (the
     call is then evaluated as written, block_out summed first): for a block_out that is not a
     `SplitSum`, and with `impl=None` for inputs that are not 16-bit or on a device without a tuned
-    kernel table. `impl="triton"` (tests, with `interpret=True`) skips those two checks.
+    kernel table. `impl="triton"` (tests, with `interpret=True`) skips those two checks. backend: the
+    kernel's, "triton" or "mosaic" (`kernels.rms_norm`).
     """
     if (
         not isinstance(block_out, SplitSum)
@@ -586,6 +614,7 @@ def kernel_split_residual_norm(
         weight.index,
         eps=eps,
         num_warps=num_warps,
+        impl=backend,
         interpret=interpret,
     )  # [M, D] each
     return [s.reshape(x.shape), normed.reshape(x.shape)]

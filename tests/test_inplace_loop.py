@@ -29,6 +29,7 @@ from jaxdecode.model import Hook, init_random
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm import BlockSizes
 from kernels.flat_gemm_stream import StreamBlocks, flat_gemm_multi_reference
+from kernels.rms_norm import rms_norm_reference
 from tests.test_looping import D, L, _inputs, decoder
 
 RTOL = ATOL = 1e-5  # f32; the interpret-mode kernel sums K in tiles, so the order differs from XLA's dot
@@ -315,9 +316,22 @@ def test_split_residual_norm_hook_declines():
     assert kernel_split_residual_norm(x, parts, weight, 1e-5, jnp.zeros(4), impl="triton") is None  # comm buffers
     assert kernel_split_residual_norm(x, parts, weight.stack[1], 1e-5, impl="triton") is None  # weight not in place
     assert kernel_split_residual_norm(x, parts, weight, 1e-5) is None  # f32: no tuned kernel for it
-    s, normed = kernel_split_residual_norm(x, parts, weight, 1e-5, impl="triton", interpret=True)
-    np.testing.assert_allclose(s, 5.0)  # 1 + the four partials
-    np.testing.assert_allclose(normed, 1.0, rtol=1e-5)  # 5 / rms(5)
+    for backend in ("triton", "mosaic"):
+        s, normed = kernel_split_residual_norm(x, parts, weight, 1e-5, impl="triton", backend=backend, interpret=True)
+        np.testing.assert_allclose(s, 5.0)  # 1 + the four partials
+        np.testing.assert_allclose(normed, 1.0, rtol=1e-5)  # 5 / rms(5)
+
+
+def test_rms_norm_hook_backends_equal_the_model():
+    """The norm hook's Triton and Mosaic GPU kernels (interpreted) against `rms_norm_reference` on a
+    stacked weight, the layer picked by the traced index."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 1, 256)), jnp.float32)
+    weight = StackedRef(jnp.asarray(rng.normal(size=(3, 256)), jnp.float32), jnp.int32(2))
+    want = rms_norm_reference(x.reshape(2, 256), weight.stack, 2, eps=1e-5).reshape(x.shape)
+    for backend in ("triton", "mosaic"):
+        (got,) = kernel_rms_norm(x, weight, 1e-5, impl="triton", backend=backend, interpret=True)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # f32: one order of the 256-term sum
 
 
 def test_engine_split_residual_norm_equals_unrolled(tiny):
