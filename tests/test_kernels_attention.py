@@ -3,11 +3,16 @@
 Grid (kernels.shapes.TEST_ATTENTION): GQA groups 1, 3, 4, 8; head dims 64 and 128; batch up to 64;
 S = 1, 40, 63, 65, 200 (not multiples of the block: padded and masked) and 128, 256; T = 1 and 3.
 Every kernel runs with poisoned (NaN-filled, aliased) output buffers, so an element it does not
-write fails the comparison.
+write fails the comparison. The synchronized kernel and the combine run on both backends ("triton",
+"mosaic"); the Mosaic GPU ones interpreted on a few small cases (a length not a multiple of the block,
+an empty split, T = 1 and 3, a stack of layers at a traced index, batch > 1, refilled TMA stages), at
+model shapes compiled on a Hopper GPU, and lowered for CUDA on any host.
 
 tests/conftest.py pins JAX to the CPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu (the
 interpret-mode subclass needs the CPU device for its callbacks).
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +23,39 @@ from kernels import decode_attention as da
 from kernels.decode_attention.attention import attention_call
 from kernels.decode_attention.combine import combine_partials, combine_splits
 from kernels.decode_attention.layout import from_rows, split_layout, to_rows
-from kernels.shapes import TEST_ATTENTION, AttentionShape
+from kernels.shapes import CATALOG, TEST_ATTENTION, AttentionShape
 
 ON_GPU = jax.default_backend() == "gpu"
+ON_HOPPER = ON_GPU and any(s in jax.devices()[0].device_kind for s in ("H100", "H200"))
 # bf16 output rounding (2^-8 relative) plus P cast to bf16 before the P·V dot, on outputs of size ~1.
 ATOL = {jnp.bfloat16: 2e-2}
 # Small blocks so that the CPU interpreter runs several splits and loop steps per split.
 BLOCKS = da.BlockSizes(block_k=32, num_splits=2)
+# The Mosaic kernel's blocks are whole wgmma M sides: 64 cache positions.
+MOSAIC_BLOCKS = da.BlockSizes(block_k=64, num_splits=2)
+BACKENDS = ["triton", "mosaic"]
+
+
+# Compiled-only shapes (Hopper): Llama-3.1-8B and SmolLM2-135M decode steps, Llama-3.1-70B's heads.
+MOSAIC_MODEL_SHAPES = {
+    s.name: s
+    for s in (
+        CATALOG["llama3_8b_b1_s1024_decode"].attention,
+        CATALOG["llama3_8b_b8_s8192_decode"].attention,
+        CATALOG["llama3_8b_b32_s1024_decode"].attention,
+        CATALOG["smollm2_135m_b1_s1024_decode"].attention,
+        CATALOG["smollm2_135m_b32_s8192_decode"].attention,
+        AttentionShape("llama3_70b_b1_s8192", 1, 1, 64, 8, 128, 8192),
+        AttentionShape("llama3_70b_b64_s1024", 64, 1, 64, 8, 128, 1024),
+        AttentionShape("smollm2_b4_s64", 4, 1, 9, 3, 64, 64),
+        AttentionShape("llama3_8b_t3_b4_s1000", 4, 3, 32, 8, 128, 1000),
+    )
+}
+
+
+def _blocks(backend, **kw):
+    """BLOCKS, or MOSAIC_BLOCKS for "mosaic", with the fields in kw replaced."""
+    return dataclasses.replace(MOSAIC_BLOCKS if backend == "mosaic" else BLOCKS, **kw)
 
 
 def _inputs(shape, seed=0, lengths=None):
@@ -59,6 +90,11 @@ class TestDecodeAttention:
         if not self.INTERPRET and not ON_GPU:
             pytest.skip("compiled Pallas kernels need a GPU")
 
+    def _backend(self, backend):
+        if backend == "mosaic" and not self.INTERPRET and not ON_HOPPER:
+            pytest.skip("compiled Mosaic GPU kernels need a Hopper GPU")
+        return backend
+
     def _async(self, q, k, v, lengths, phi, **kw):
         return da.decode_attention_async(
             q, k, v, lengths, phi, block_sizes=BLOCKS, interpret=self.INTERPRET, poison=True, **kw
@@ -74,11 +110,35 @@ class TestDecodeAttention:
         assert not info.recomputed.any(), "φ=0 suits N(0,1) logits: nothing should be flagged"
         np.testing.assert_allclose(info.lse, ref_lse, atol=1e-3)
 
+    @pytest.mark.parametrize("backend", BACKENDS)
     @pytest.mark.parametrize("name", ["tiny_gqa4_t3_b2_s128", "tiny_gqa4_b3_s63_h128"])
-    def test_sync_matches_reference(self, name):
+    def test_sync_matches_reference(self, name, backend):
+        """T = 3 (causal rows, the jnp combine); S = 63 (padded to a block, ragged lengths: the second
+        split is empty) with H = 128."""
         q, k, v, lengths = _inputs(TEST_ATTENTION[name], seed=1)
         ref, _ = da.decode_attention_reference(q, k, v, lengths)
-        out = da.decode_attention_sync(q, k, v, lengths, block_sizes=BLOCKS, interpret=self.INTERPRET, poison=True)
+        out = da.decode_attention_sync(
+            q,
+            k,
+            v,
+            lengths,
+            block_sizes=_blocks(backend),
+            interpret=self.INTERPRET,
+            poison=True,
+            backend=self._backend(backend),
+        )
+        _close(out, ref)
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    def test_sync_long_split(self, backend):
+        """One split of 6 blocks through 2 stages (the Mosaic kernel refills its TMA buffers), lengths
+        200 (ends inside a block: 4 blocks run) and 384."""
+        q, k, v, lengths = _inputs(AttentionShape("long", 2, 1, 8, 2, 64, 384), seed=6, lengths=[200, 384])
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        blocks = da.BlockSizes(block_k=64, num_splits=1, num_stages=2)
+        out = da.decode_attention_sync(
+            q, k, v, lengths, block_sizes=blocks, interpret=self.INTERPRET, poison=True, backend=self._backend(backend)
+        )
         _close(out, ref)
 
     def test_default_blocks_unaligned_length(self):
@@ -126,20 +186,25 @@ class TestDecodeAttention:
         _close(outs[1], ref)
         np.testing.assert_array_equal(rates, [0.0, 1.0])
 
-    @pytest.mark.parametrize("name", ["tiny_gqa4_t3_b2_s128", "tiny_gqa4_b2_s256"])
-    def test_stacked_cache_reads_the_given_layer(self, name):
+    @pytest.mark.parametrize(
+        "name, backend",
+        [("tiny_gqa4_t3_b2_s128", "triton"), ("tiny_gqa4_b2_s256", "triton"), ("tiny_gqa4_b2_s256", "mosaic")],
+    )
+    def test_stacked_cache_reads_the_given_layer(self, name, backend):
         """k, v as stacks [L, B, S, K, H] plus a traced layer index (the looped decode's form) give
-        exactly the result of that layer's cache alone, for both kernels, in a scan over the layers."""
+        exactly the result of that layer's cache alone, for the synchronized kernel and (Triton only)
+        the async one, in a scan over the layers."""
         shape = TEST_ATTENTION[name]
         layers = [_inputs(shape, seed=10 + i) for i in range(3)]
         q, lengths = layers[0][0], layers[0][3]
         k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
         v_stack = jnp.stack([v for _, _, v, _ in layers])
+        kw = dict(interpret=self.INTERPRET, poison=True, backend=self._backend(backend))
 
         def body(_, i):
-            sync = da.decode_attention_sync(
-                q, k_stack, v_stack, lengths, layer=i, block_sizes=BLOCKS, interpret=self.INTERPRET, poison=True
-            )
+            sync = da.decode_attention_sync(q, k_stack, v_stack, lengths, layer=i, block_sizes=_blocks(backend), **kw)
+            if backend == "mosaic":  # the async kernel is Pallas-Triton only
+                return None, (sync, sync, False)
             out, info = self._async(q, k_stack, v_stack, lengths, 0.0, layer=i)
             return None, (sync, out, info.recomputed.any())
 
@@ -151,21 +216,24 @@ class TestDecodeAttention:
         assert not recomputed.any()
 
     @pytest.mark.parametrize(
-        "shape",
+        "shape, backend",
         [
-            AttentionShape("g4", 2, 1, 32, 8, 128, 128),
-            AttentionShape("g7", 3, 1, 28, 4, 64, 192),
-            AttentionShape("g1", 1, 1, 4, 4, 64, 64),
+            (AttentionShape("g4", 2, 1, 32, 8, 128, 128), "triton"),
+            (AttentionShape("g7", 3, 1, 28, 4, 64, 192), "triton"),
+            (AttentionShape("g1", 1, 1, 4, 4, 64, 64), "triton"),
+            (AttentionShape("g4", 2, 1, 32, 8, 128, 128), "mosaic"),
+            (AttentionShape("g7", 3, 1, 28, 4, 64, 192), "mosaic"),  # 3 splits; the combine's rows padded to 8
         ],
     )
-    def test_sync_rows_equals_sync(self, shape):
+    def test_sync_rows_equals_sync(self, shape, backend):
         """q given as the kernel's rows (what kernels.qkv_rope writes: zeros past the group) gives the
         output of `decode_attention_sync` on q itself, on a stacked cache at a traced layer."""
         layers = [_inputs(shape, seed=40 + i) for i in range(2)]
         q, lengths = layers[0][0], layers[0][3]
         k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
         v_stack = jnp.stack([v for _, _, v, _ in layers])
-        blocks = da.BlockSizes(32, num_splits=2)
+        # the stack is read in place, so the splits must divide its blocks: Mosaic's S / 64 (auto)
+        blocks = da.BlockSizes(32, num_splits=2) if backend == "triton" else da.BlockSizes(64)
         rows = to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
         group = shape.num_heads // shape.num_kv_heads
         got = da.decode_attention_sync_rows(
@@ -179,38 +247,33 @@ class TestDecodeAttention:
             length_offset=1,
             interpret=self.INTERPRET,
             poison=True,
+            backend=self._backend(backend),
         )
-        want = da.decode_attention_sync(
-            q, k_stack, v_stack, lengths, layer=jnp.int32(1), block_sizes=blocks, interpret=self.INTERPRET
-        )
+        kw = dict(block_sizes=blocks, interpret=self.INTERPRET, backend=backend)
+        want = da.decode_attention_sync(q, k_stack, v_stack, lengths, layer=jnp.int32(1), **kw)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
         _close(got, da.decode_attention_reference(q, layers[1][1], layers[1][2], lengths)[0])
 
     @pytest.mark.parametrize(
-        "shape",
+        "shape, backend",
         [
-            AttentionShape("g4", 2, 1, 32, 8, 128, 256),
-            AttentionShape("g1", 1, 1, 4, 4, 64, 128),
-            AttentionShape("g8", 3, 1, 16, 2, 128, 192),
+            (AttentionShape("g4", 2, 1, 32, 8, 128, 256), "triton"),
+            (AttentionShape("g1", 1, 1, 4, 4, 64, 128), "triton"),
+            (AttentionShape("g8", 3, 1, 16, 2, 128, 192), "triton"),
+            (AttentionShape("g4", 2, 1, 32, 8, 128, 256), "mosaic"),
         ],
     )
-    def test_combine_kernel_equals_the_jnp_combine(self, shape):
+    def test_combine_kernel_equals_the_jnp_combine(self, shape, backend):
         """combine="kernel" (one Pallas kernel for the split combine) against combine="xla" and the
         reference, on ragged lengths (some splits past a sequence's end hold no rows: m = -1e30, l = 0),
         with poisoned outputs, also over a stacked cache at a traced layer."""
         q, k, v, lengths = _inputs(shape, seed=40)
         lengths = lengths.at[0].set(3)  # most of sequence 0's splits are empty
-        kw = dict(interpret=self.INTERPRET, poison=True)
-        blocks = da.BlockSizes(block_k=32, num_splits=shape.cache_len // 64)
-        fused = da.decode_attention_sync(
-            q,
-            k,
-            v,
-            lengths,
-            block_sizes=da.BlockSizes(block_k=32, num_splits=shape.cache_len // 64, combine="kernel"),
-            **kw,
-        )
-        plain = da.decode_attention_sync(q, k, v, lengths, block_sizes=blocks, **kw)
+        kw = dict(interpret=self.INTERPRET, poison=True, backend=self._backend(backend))
+        block_k = 64 if backend == "mosaic" else 32
+        blocks = da.BlockSizes(block_k=block_k, num_splits=shape.cache_len // 64, combine="kernel")
+        fused = da.decode_attention_sync(q, k, v, lengths, block_sizes=blocks, **kw)
+        plain = da.decode_attention_sync(q, k, v, lengths, block_sizes=dataclasses.replace(blocks, combine="xla"), **kw)
         ref, _ = da.decode_attention_reference(q, k, v, lengths)
         _close(fused, ref)
         # the same f32 sums in split order (XLA may reduce in another order): at most one bf16 rounding apart
@@ -221,7 +284,7 @@ class TestDecodeAttention:
             jnp.stack([v, v]),
             lengths,
             layer=jnp.int32(1),
-            block_sizes=da.BlockSizes(block_k=32, combine="kernel"),
+            block_sizes=da.BlockSizes(block_k=block_k, combine="kernel"),
             **kw,
         )
         _close(stacked, ref)
@@ -245,21 +308,80 @@ class TestDecodeAttention:
             ]
             np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
 
+    @pytest.mark.parametrize("name", list(MOSAIC_MODEL_SHAPES))
+    def test_mosaic_at_model_shapes(self, name):
+        """Compiled only: the Mosaic kernels at Llama-3.1-8B, 70B and SmolLM2-135M shapes with the default
+        blocks (the splits a real decode takes), against the reference; a stack of two layers read at
+        layer 1 where S is whole blocks, else the padded single cache (T = 3, S = 1000)."""
+        if self.INTERPRET:
+            pytest.skip("model shapes are too large for the interpreter")
+        shape = MOSAIC_MODEL_SHAPES[name]
+        q, k, v, lengths = _inputs(shape, seed=7)
+        ref, _ = da.decode_attention_reference(q, k, v, lengths)
+        kw = dict(poison=True, backend=self._backend("mosaic"))
+        if shape.cache_len % 64:
+            out = da.decode_attention_sync(q, k, v, lengths, **kw)
+        else:
+            other = _inputs(shape, seed=8)
+            k, v = jnp.stack([other[1], k]), jnp.stack([other[2], v])  # [2, B, S, K, H]
+            out = da.decode_attention_sync(q, k, v, lengths, layer=jnp.int32(1), **kw)
+        _close(out, ref)
+
 
 class TestDecodeAttentionInterpret(TestDecodeAttention):
     INTERPRET = True
 
 
-def test_combine_splits_against_the_jnp_combine():
-    """The kernel on its own, in f32, on random partials with one empty split per row group: equal to
-    `combine_partials` + `from_rows` to f32 rounding of a 5-term sum."""
+LOWERED = {  # name: (B, T, N, K, H, S): Llama-3.1-8B with a 1k cache, 70B, SmolLM2-135M
+    "llama3_8b_b1_s1024": (1, 1, 32, 8, 128, 1024),
+    "llama3_70b_b64_s8192": (64, 1, 64, 8, 128, 8192),
+    "smollm2_b4_s1024": (4, 1, 9, 3, 64, 1024),
+}
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("name", list(LOWERED))
+def test_mosaic_lowers_for_hopper_on_any_host(name, rows):
+    """Lowering for CUDA runs Mosaic GPU's layout, tiling and swizzle checks (which the interpreter
+    skips) on a machine without a GPU: both kernels, on a stacked cache at a traced layer, from q
+    (`decode_attention_sync`) or from its rows (`decode_attention_sync_rows`)."""
+    b, t, n, kh, h, s = LOWERED[name]
+    cache = jax.ShapeDtypeStruct((4, b, s, kh, h), jnp.bfloat16)  # [L, B, S, K, H]
+    args = (cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    if rows:
+        q = jax.ShapeDtypeStruct((b, kh, da.query_rows(t, n // kh), h), jnp.bfloat16)  # [B, K, R, H]
+        op = lambda q, k, v, lengths, i: da.decode_attention_sync_rows(  # noqa: E731
+            q, k, v, lengths, group=n // kh, layer=i, length_offset=1, backend="mosaic"
+        )
+    else:
+        q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+        op = lambda q, k, v, lengths, i: da.decode_attention_sync(q, k, v, lengths, layer=i, backend="mosaic")  # noqa: E731
+    text = jax.jit(op).trace(q, *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "decode_attention_sync_mosaic" in text and "combine_splits_mosaic" in text
+
+
+def test_mosaic_refuses_what_it_does_not_tile():
+    q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"])
+    with pytest.raises(ValueError, match="multiples of 64"):  # wgmma's M side
+        da.decode_attention_sync(q, k, v, lengths, block_sizes=BLOCKS, backend="mosaic", interpret=True)
+    with pytest.raises(ValueError, match="backend must be"):
+        da.decode_attention_sync(q, k, v, lengths, backend="cuda", interpret=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_combine_splits_against_the_jnp_combine(backend):
+    """The kernel on its own, in f32, on random partials with one empty split per row group (neither
+    attention kernel's: either backend's combine reads any partials): equal to `combine_partials` +
+    `from_rows` to f32 rounding of a 5-term sum."""
     keys = jax.random.split(jax.random.key(42), 3)
     b, kh, splits, rows, g, h = 2, 3, 5, 16, 4, 64
     acc = jax.random.normal(keys[0], (b, kh, splits, rows, h), jnp.float32)
     l = 1.0 + jax.random.uniform(keys[1], (b, kh, splits, rows), jnp.float32)
     m = 3.0 * jax.random.normal(keys[2], (b, kh, splits, rows), jnp.float32)
     acc, l, m = acc.at[:, :, 2].set(0.0), l.at[:, :, 2].set(0.0), m.at[:, :, 2].set(-1e30)  # an empty split
-    got = combine_splits(acc, l, m, group=g, out_dtype=jnp.float32, cfg=da.BlockSizes(), interpret=True, poison=True)
+    got = combine_splits(
+        acc, l, m, group=g, out_dtype=jnp.float32, cfg=da.BlockSizes(), interpret=True, poison=True, backend=backend
+    )
     o, _ = combine_partials(acc, l, m)
     want = from_rows(o, 1, g)
     assert got.shape == want.shape == (b, 1, kh * g, h)

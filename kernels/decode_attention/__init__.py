@@ -1,8 +1,10 @@
 """Split-K decode attention (FlashDecoding++): the async kernel with a unified max φ and its exact
-fallback, the synchronized (online softmax) kernel, and their split combine.
+fallback, the synchronized (online softmax) kernel, and their split combine; the last two on
+Pallas-Triton or Mosaic GPU (`backend=`).
 
   attention.py  kernel bodies, pallas_call wrapper, the jitted ops and the jnp reference
   combine.py    the synchronized kernel's split combine: kernel body, wrapper, op, jnp reference
+  mosaic.py     Mosaic GPU bodies and plgpu.kernel wrappers of the synchronized kernel and the combine
   layout.py     BlockSizes (the tunables), the cache's split layout, q as the kernels' rows
 
 The ops and their tunables are re-exported here: `from kernels import decode_attention` then

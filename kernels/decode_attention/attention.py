@@ -18,16 +18,19 @@ in place: they get the whole stack and index it with i (no BlockSpec slice, so n
 Rows of one program are the T·G query rows that share one kv head, r = t·G + g, padded to a power
 of two >= 16.
 
-What runs where: both kernels are `pl.pallas_call` kernels. On the GPU they lower through
-Pallas-Triton, which jax 0.11 deprecates; a Mosaic GPU port (as kernels/flat_gemm.py has) is open
-debt. On the CPU the same kernel bodies run with `interpret=True`; that is what CI tests.
+What runs where: both kernels here are `pl.pallas_call` kernels. On the GPU they lower through
+Pallas-Triton, which jax 0.11 deprecates. The synchronized kernel and its combine also have a Mosaic
+GPU form (mosaic.py: wgmma with the cache block as the 64-row side, TMA from the stacked cache),
+picked by `backend="mosaic"` in `decode_attention_sync`, `decode_attention_sync_rows` and
+`combine.combine_splits`; the async kernel's port is open debt. On the CPU the Triton bodies run with
+`interpret=True` and the Mosaic ones under Mosaic GPU's interpreter; that is what CI tests.
 On an H200 the fallback's second launch costs more per call than the unified max saves, even when no
 row is flagged; without it the async kernel ties the sync one (docs/log/2026-11-30.md, kernel tables), so
 the dispatch table picks the synchronized kernel there (kernels/tables/h200.json).
 
 This file holds the two kernel bodies, their pallas_call wrapper over the grid (B, K, splits), the
 jitted ops and the jnp reference; the tunables and row layout are in layout.py, the split combine
-in combine.py.
+in combine.py, the Mosaic GPU kernels in mosaic.py.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels.decode_attention import mosaic
 from kernels.decode_attention.combine import combine_partials, combine_rows
-from kernels.decode_attention.layout import BlockSizes, from_rows, pad_cache, split_layout, to_rows
+from kernels.decode_attention.layout import BlockSizes, check_backend, from_rows, pad_cache, split_layout, to_rows
 
 _NEG = -1e30  # finite "minus infinity" for the synchronized kernel's running max
 
@@ -308,6 +312,26 @@ def _prepare(q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison, 
     return to_rows(q, kv_heads), k, v, lengths.astype(jnp.int32), kw
 
 
+def _sync_kernel(
+    backend, q_rows, k, v, layer, lengths, *, sm_scale, group, tokens, length_offset, cfg, interpret, poison
+):
+    """The synchronized kernel's partials acc [B, K, splits, R, H], l, m [B, K, splits, R] on `backend`,
+    every program running (no gate input: even a constant array of ones costs a broadcast kernel per
+    call, per layer in a looped decode, on the GPU)."""
+    kw = dict(sm_scale=sm_scale, group=group, tokens=tokens, length_offset=length_offset, interpret=interpret)
+    if check_backend(backend) == "triton":
+        return attention_call(
+            sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3, gated=False, cfg=cfg, poison=poison, **kw
+        )
+    if layer is None:  # [B, S, K, H] -> a stack of one layer [1, B, S, K, H]: a free reshape
+        k, v, layer = k[None], v[None], 0
+    batch, kv_heads = q_rows.shape[:2]
+    splits, _ = split_layout(batch, kv_heads, k.shape[2], cfg)
+    return mosaic.sync_call(
+        layer, lengths, q_rows, k, v, splits=splits, block_k=cfg.block_k, stages=cfg.num_stages, poison=poison, **kw
+    )
+
+
 def _sync_partials(q_rows, k, v, layer, lengths, active, **kw):
     """The synchronized kernel's partials combined in jnp: o [B, K, R, H] and log Σ e^x [B, K, R].
     `active` [B, K] gates the programs (the recompute fallback), or None: all run, with no gate."""
@@ -372,7 +396,9 @@ def decode_attention_async(
     return from_rows(o, tokens, group).astype(q.dtype), info
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "length_offset", "interpret", "poison"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "block_sizes", "length_offset", "interpret", "poison", "backend")
+)
 def decode_attention_sync(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, S, K, H]
@@ -385,11 +411,13 @@ def decode_attention_sync(
     length_offset: int = 0,
     interpret: bool = False,
     poison: bool = False,
+    backend: str = "triton",
 ):
     """Split-K decode attention with the synchronized (online, running-max) softmax.
 
     Any S works (padded and masked as in `decode_attention_async`); `layer`, `length_offset` and
-    poison as there.
+    poison as there. backend: "triton" (Pallas-Triton) or "mosaic" (Mosaic GPU, Hopper: block_k and H
+    multiples of 64, bf16 or f16) for both the kernel and its split combine.
 
     Equivalent to the following JAX code:
 
@@ -400,9 +428,7 @@ def decode_attention_sync(
     q_rows, k, v, lengths, kw = _prepare(
         q, k, v, lengths, layer, sm_scale, block_sizes, interpret, poison, length_offset
     )
-    # Every (sequence, kv head) program runs, so the kernel takes no gate input: even a constant
-    # array of ones costs a broadcast kernel per call (per layer in a looped decode) on the GPU.
-    acc, l, m = attention_call(sync_kernel, (lengths,), q_rows, k, v, layer, num_out=3, gated=False, **kw)
+    acc, l, m = _sync_kernel(backend, q_rows, k, v, layer, lengths, **kw)
     return combine_rows(
         acc,
         l,
@@ -413,11 +439,12 @@ def decode_attention_sync(
         cfg=block_sizes,
         interpret=interpret,
         poison=poison,
+        backend=backend,
     )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("group", "sm_scale", "block_sizes", "length_offset", "interpret", "poison")
+    jax.jit, static_argnames=("group", "sm_scale", "block_sizes", "length_offset", "interpret", "poison", "backend")
 )
 def decode_attention_sync_rows(
     q_rows: jax.Array,  # [B, K, R, H]
@@ -432,11 +459,13 @@ def decode_attention_sync_rows(
     length_offset: int = 0,
     interpret: bool = False,
     poison: bool = False,
+    backend: str = "triton",
 ):
     """`decode_attention_sync` for one token per sequence, with q already laid out as the kernel's rows
     q_rows [B, K, R, H] (row g < group is query head h·group + g of kv head h; rows past `group` are
     zero), as `kernels.qkv_rope.qkv_rope_write` writes them, and the stacked cache [L, B, S, K, H] read
-    at `layer` in place. Returns o [B, 1, K·group, H] in q_rows' dtype."""
+    at `layer` in place. Returns o [B, 1, K·group, H] in q_rows' dtype. backend as in
+    `decode_attention_sync` (the mosaic kernel takes R in multiples of 8)."""
     batch, kv_heads, rows, head_dim = q_rows.shape
     if k.ndim != 5 or k.shape != v.shape or k.shape[1] != batch or k.shape[3:] != (kv_heads, head_dim):
         raise ValueError(
@@ -447,25 +476,32 @@ def decode_attention_sync_rows(
         raise ValueError(f"group must be in 1..{rows} and lengths [B] = [{batch}]; got {group}, {list(lengths.shape)}")
     k, v = pad_cache(k, v, block_sizes, stacked=True)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    acc, l, m = attention_call(
-        sync_kernel,
-        (lengths.astype(jnp.int32),),
+    acc, l, m = _sync_kernel(
+        backend,
         q_rows,
         k,
         v,
         layer,
-        num_out=3,
-        gated=False,
+        lengths.astype(jnp.int32),
         sm_scale=sm_scale,
         group=group,
         tokens=1,
+        length_offset=length_offset,
         cfg=block_sizes,
         interpret=interpret,
         poison=poison,
-        length_offset=length_offset,
     )
     return combine_rows(
-        acc, l, m, tokens=1, group=group, out_dtype=q_rows.dtype, cfg=block_sizes, interpret=interpret, poison=poison
+        acc,
+        l,
+        m,
+        tokens=1,
+        group=group,
+        out_dtype=q_rows.dtype,
+        cfg=block_sizes,
+        interpret=interpret,
+        poison=poison,
+        backend=backend,
     )
 
 

@@ -1,8 +1,12 @@
 """The synchronized decode attention's split combine: per-split partials (acc, l, m) -> o.
 
-Four parts: the kernel body (`_combine_kernel`), its pallas_call wrapper for one token
-(`combine_splits`, with `combine_fits` saying which shapes it takes), the op that picks it or the
-jnp form (`combine_rows`), and the pure-jnp combine (`combine_partials`), which is also the reference.
+Four parts: the kernel body (`_combine_kernel`), its wrapper for one token (`combine_splits`, with
+`combine_fits` saying which shapes it takes), the op that picks it or the jnp form (`combine_rows`),
+and the pure-jnp combine (`combine_partials`), which is also the reference.
+
+Two backends for the kernel: "triton" (the pallas_call below) and "mosaic" (`mosaic.combine_call`:
+Mosaic GPU, the partials' transpose in the WGMMA_TRANSPOSED layout). Both read the partials either
+attention backend writes, so the two kernels need not share a backend.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels.decode_attention.layout import BlockSizes, from_rows
+from kernels.decode_attention import mosaic
+from kernels.decode_attention.layout import BlockSizes, check_backend, from_rows
 
 # ---------------------------------------------------------------------------------------------
 # Kernel body
@@ -39,9 +44,14 @@ def _combine_kernel(acc_ref, l_ref, m_ref, o_ref, *, splits: int):
 # pallas_call wrapper
 
 
-def combine_fits(tokens: int, group: int, head_dim: int, cfg: BlockSizes) -> bool:
-    """Whether `combine_splits` takes this shape: one token, a power-of-two group (Triton's blocks), and
-    head-dim columns that split into `cfg.combine_cols`-wide blocks."""
+def combine_fits(
+    tokens: int, group: int, head_dim: int, cfg: BlockSizes, backend: str = "triton", rows: int | None = None
+) -> bool:
+    """Whether `combine_splits` takes this shape: one token and, for "triton", a power-of-two group (Triton's
+    blocks) and head-dim columns that split into `cfg.combine_cols`-wide blocks; for "mosaic", any group
+    whose rows, rounded up to 8, lie within the partials' R `rows`, and H in 64-column blocks."""
+    if check_backend(backend) == "mosaic":
+        return tokens == 1 and head_dim % 64 == 0 and (rows is None or -(-group // 8) * 8 <= rows)
     return (
         tokens == 1
         and group & (group - 1) == 0
@@ -50,16 +60,31 @@ def combine_fits(tokens: int, group: int, head_dim: int, cfg: BlockSizes) -> boo
     )
 
 
-def combine_splits(acc, l, m, *, group: int, out_dtype, cfg: BlockSizes, interpret: bool = False, poison: bool = False):
+def combine_splits(
+    acc,
+    l,
+    m,
+    *,
+    group: int,
+    out_dtype,
+    cfg: BlockSizes,
+    interpret: bool = False,
+    poison: bool = False,
+    backend: str = "triton",
+):
     """The synchronized kernel's partials acc [B, K, splits, R, H], l, m [B, K, splits, R] (one token:
     rows 0..G-1 are the heads of a kv head) -> o [B, 1, N, H] in out_dtype, in one Pallas kernel over
-    (B, K, H / combine_cols). poison=True (tests) starts from a NaN-filled output.
+    (B, K, H / combine_cols) ("triton") or (B, K, H / 64) ("mosaic"). poison=True (tests) starts from a
+    NaN-filled output.
 
-    Pallas-Triton, like the attention kernel whose partials it reads: each program loads a few KB with
-    plain loads; Mosaic GPU's TMA and wgmma have nothing to do here. It replaces XLA's three small
-    kernels (exp, reduce, slice) per call with one. A loop over the splits (lax.fori_loop) measured
-    slower than XLA's three kernels, so the splits are a static loop here (see docs/log/)."""
+    Each program loads a few KB with plain loads; TMA and wgmma have nothing to do here. It replaces
+    XLA's three small kernels (exp, reduce, slice) per call with one. A loop over the splits
+    (lax.fori_loop) measured slower than XLA's three kernels, so the splits are a static loop in both
+    backends (see docs/log/)."""
     batch, kv_heads, splits, _, head_dim = acc.shape
+    if check_backend(backend) == "mosaic":
+        o = mosaic.combine_call(acc, l, m, group=group, out_dtype=out_dtype, interpret=interpret, poison=poison)
+        return o.reshape(batch, 1, kv_heads * group, head_dim)  # [B, K, G, H] -> [B, 1, N, H]: a free reshape
     cols = cfg.combine_cols
     grid = (batch, kv_heads, head_dim // cols)
     in_specs = [
@@ -95,12 +120,24 @@ def combine_splits(acc, l, m, *, group: int, out_dtype, cfg: BlockSizes, interpr
 
 
 def combine_rows(
-    acc, l, m, *, tokens: int, group: int, out_dtype, cfg: BlockSizes, interpret: bool = False, poison: bool = False
+    acc,
+    l,
+    m,
+    *,
+    tokens: int,
+    group: int,
+    out_dtype,
+    cfg: BlockSizes,
+    interpret: bool = False,
+    poison: bool = False,
+    backend: str = "triton",
 ):
-    """Partials -> o [B, T, N, H] in out_dtype: by `combine_splits` where cfg.combine == "kernel" and it
-    fits, else in jnp (`combine_partials`, then `from_rows`)."""
-    if cfg.combine == "kernel" and combine_fits(tokens, group, acc.shape[-1], cfg):
-        return combine_splits(acc, l, m, group=group, out_dtype=out_dtype, cfg=cfg, interpret=interpret, poison=poison)
+    """Partials -> o [B, T, N, H] in out_dtype: by `combine_splits` on `backend` where cfg.combine ==
+    "kernel" and it fits, else in jnp (`combine_partials`, then `from_rows`)."""
+    if cfg.combine == "kernel" and combine_fits(tokens, group, acc.shape[-1], cfg, backend, rows=acc.shape[3]):
+        return combine_splits(
+            acc, l, m, group=group, out_dtype=out_dtype, cfg=cfg, interpret=interpret, poison=poison, backend=backend
+        )
     o, _ = combine_partials(acc, l, m)
     return from_rows(o, tokens, group).astype(out_dtype)
 

@@ -1,6 +1,7 @@
-"""The decode attention's layouts: its tunables (`BlockSizes`), how the cache splits over the kernel's
-programs (`split_layout`, `pad_cache`), and q as the kernels' rows (`query_rows`, `to_rows`,
-`from_rows`). The layouts themselves are described in kernels/decode_attention/attention.py."""
+"""The decode attention's layouts: its tunables (`BlockSizes`), its kernel backends (`BACKENDS`), how
+the cache splits over the kernel's programs (`split_layout`, `pad_cache`), and q as the kernels' rows
+(`query_rows`, `to_rows`, `from_rows`). The layouts themselves are described in
+kernels/decode_attention/attention.py."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ class BlockSizes:
     """Tunables. num_splits=None picks the most splits that divide the cache's blocks and stay within
     ceil(target_programs / (B·K)), max_programs // (B·K) and max_splits (`split_layout`)."""
 
-    block_k: int = 64  # cache positions per loop step (power of two)
+    block_k: int = 64  # cache positions per loop step (power of two; a multiple of 64 for "mosaic")
     num_splits: int | None = None
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 4  # Triton only
+    num_stages: int = 2  # Triton's software pipeline; Mosaic GPU's K and V TMA buffers per program
     # Programs = batch x kv heads x splits. Aim at ~4 per SM (132 SMs on an H200), stay within one wave
     # (the kernel's 38 KB of shared memory lets 5 programs share an SM, 660 in all) and below 32 splits
     # (the combine's cost grows with them). On the H200 more programs per SM were faster per token, and
@@ -36,6 +37,15 @@ class BlockSizes:
     def __post_init__(self):
         if self.combine not in ("xla", "kernel"):
             raise ValueError(f"BlockSizes.combine must be 'xla' or 'kernel', got {self.combine!r}")
+
+
+BACKENDS = ("triton", "mosaic")  # Pallas-Triton (pallas_call) or Mosaic GPU (plgpu.kernel, Hopper)
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
 
 
 def split_layout(batch: int, kv_heads: int, cache_len: int, cfg: BlockSizes) -> tuple[int, int]:
