@@ -316,13 +316,16 @@ class TestDecodeAttention:
         if self.INTERPRET:
             pytest.skip("model shapes are too large for the interpreter")
         shape = MOSAIC_MODEL_SHAPES[name]
-        q, k, v, lengths = _inputs(shape, seed=7)
+        # ragged: the first sequence ends one short of the cache (inside a block), the rest shorter
+        s = shape.cache_len
+        lengths = np.linspace(s - 1, max(shape.tokens, s // 5), shape.batch).astype(np.int32)
+        q, k, v, lengths = _inputs(shape, seed=7, lengths=lengths)
         ref, _ = da.decode_attention_reference(q, k, v, lengths)
         kw = dict(poison=True, backend=self._backend("mosaic"))
         if shape.cache_len % 64:
             out = da.decode_attention_sync(q, k, v, lengths, **kw)
         else:
-            other = _inputs(shape, seed=8)
+            other = _inputs(shape, seed=8, lengths=lengths)
             k, v = jnp.stack([other[1], k]), jnp.stack([other[2], v])  # [2, B, S, K, H]
             out = da.decode_attention_sync(q, k, v, lengths, layer=jnp.int32(1), **kw)
         _close(out, ref)
