@@ -77,7 +77,8 @@ def combine_splits(
     (B, K, H / combine_cols) ("triton") or (B, K, H / 64) ("mosaic"). poison=True (tests) starts from a
     NaN-filled output.
 
-    Each program loads a few KB with plain loads; TMA and wgmma have nothing to do here. It replaces
+    Each program reads a few KB with plain loads (the Mosaic one writes its rows by TMA); wgmma has
+    nothing to do here. It replaces
     XLA's three small kernels (exp, reduce, slice) per call with one. A loop over the splits
     (lax.fori_loop) measured slower than XLA's three kernels, so the splits are a static loop in both
     backends (see docs/log/)."""
