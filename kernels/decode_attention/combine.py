@@ -78,10 +78,9 @@ def combine_splits(
     NaN-filled output.
 
     Each program reads a few KB with plain loads (the Mosaic one writes its rows by TMA); wgmma has
-    nothing to do here. It replaces
-    XLA's three small kernels (exp, reduce, slice) per call with one. A loop over the splits
-    (lax.fori_loop) measured slower than XLA's three kernels, so the splits are a static loop in both
-    backends (see docs/log/)."""
+    nothing to do here. It replaces XLA's three small kernels (exp, reduce, slice) per call with one.
+    A loop over the splits (lax.fori_loop) measured slower than XLA's three kernels, so the splits are
+    a static loop in both backends (see docs/log/)."""
     batch, kv_heads, splits, _, head_dim = acc.shape
     if check_backend(backend) == "mosaic":
         o = mosaic.combine_call(acc, l, m, group=group, out_dtype=out_dtype, interpret=interpret, poison=poison)
