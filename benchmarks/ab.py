@@ -76,8 +76,9 @@ from jaxdecode.bench.command import parse_ints  # noqa: E402
 from jaxdecode.bench.report import device_name  # noqa: E402
 from jaxdecode.cost import decode_cost  # noqa: E402
 from jaxdecode.decode import Engine, default_dtype  # noqa: E402
+from jaxdecode.hooks import KERNEL_CALLS, TP_CALLS, kernel_stacked_dot  # noqa: E402
 from jaxdecode.loading import load_model  # noqa: E402
-from jaxdecode.looped_model import KERNEL_CALLS, TP_CALLS, default_loop_mode, kernel_stacked_dot  # noqa: E402
+from jaxdecode.looped_model import default_loop_mode  # noqa: E402
 from jaxdecode.model import Hook, quantize_weights  # noqa: E402
 from jaxdecode.quantized import QUANTIZE_FORMATS  # noqa: E402
 from jaxdecode.tp import TPForward  # noqa: E402

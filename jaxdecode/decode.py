@@ -104,8 +104,8 @@ class Engine:
     `tp` > 1 splits the model over that many devices (tensor parallelism, `jaxdecode.tp`); a built
     `tp.TPForward` may be passed instead (then `model` may be None and its loop and kernel settings apply).
     In the in-place loop mode, `hooks` {`model.Hook`: function or None} replaces or turns off the kernel
-    hooks of the model's named calls (`looped_model.kernel_calls`; the defaults are
-    `looped_model.KERNEL_CALLS`), and `stacked_dot` replaces the dot hook (`looped_model.kernel_stacked_dot`):
+    hooks of the model's named calls (`hooks.kernel_calls`; the defaults are
+    `hooks.KERNEL_CALLS`), and `stacked_dot` replaces the dot hook (`hooks.kernel_stacked_dot`):
     a benchmark's variants are these arguments.
     """
 

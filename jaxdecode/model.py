@@ -36,7 +36,7 @@ class Hook(enum.StrEnum):
 
     Each is a module-level `jax.jit` function (below, or `jaxdecode.quantized.quant_dot`), so it appears in
     the jaxpr as a call whose name is the member's value; the engine's hook table
-    (`looped_model.KERNEL_CALLS`) and `rdu`'s GPU model key on these members, and a test checks that each
+    (`hooks.KERNEL_CALLS`) and `rdu`'s GPU model key on these members, and a test checks that each
     appears in the traced decode step (QUANT_DOT: of a model with quantized weights).
     """
 
@@ -211,7 +211,7 @@ def qkv_attend(
     x [B, T, D] -> (out [B, T, N, H], k_cache, v_cache); caches [B, S, K, H]; cos, sin [B, T, H].
     One module-level jitted call, so the in-place looped decode can run everything between the q·k·v
     GEMM and the attention (split sum, bias, RoPE, the cache writes) as one kernel
-    (`looped_model.kernel_qkv_attend`); where that hook declines, the inner calls' hooks apply."""
+    (`hooks.kernel_qkv_attend`); where that hook declines, the inner calls' hooks apply."""
     b, t, _ = x.shape
     kv_heads, head_dim = k_cache.shape[-2:]
     q, k, v = qkv(x, w_q, w_k, w_v, *biases)  # [B, T, N*H], [B, T, K*H] x 2

@@ -111,7 +111,7 @@ CPU_TILE_BYTES = 1 << 22  # float32 bytes of one dequantized row tile on the CPU
 def quant_dot(x: Array, codes: Array, scales: Array, *offsets: Array) -> Array:
     """x [..., K] @ the dequantized weight ([K, N] from codes [N, K], scales (offsets) [K/G, N]) → [..., N] in
     x's dtype, the dot in float32. One module-level jitted function, so the in-place looped decode can
-    hand it to a kernel that reads the stacked codes in place (`looped_model.kernel_quant_dot`).
+    hand it to a kernel that reads the stacked codes in place (`hooks.kernel_quant_dot`).
 
     Plain JAX: the dequantized rows times x. On the CPU backend (read at trace time: the engine's
     process runs one backend) the rows are dequantized tile by tile after x exists (`_quant_dot_cpu`);

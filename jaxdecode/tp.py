@@ -48,7 +48,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, TensorParallel, shard_config
-from jaxdecode.looped_model import LOOP_MODES, kernel_calls, kernel_stacked_dot
+from jaxdecode.hooks import kernel_calls, kernel_stacked_dot
+from jaxdecode.looped_model import LOOP_MODES
 from jaxdecode.looping import LoopPlan, Packed, kernel_loop
 from jaxdecode.model import Hook, Transformer, rope_cos_sin, rope_inv_freq
 from jaxdecode.quantized import is_quantized

@@ -23,7 +23,7 @@ from jaxdecode.cli import main
 from jaxdecode.config import PRESETS
 from jaxdecode.cost import decode_cost
 from jaxdecode.decode import Engine
-from jaxdecode.looped_model import KERNEL_CALLS, TP_CALLS, kernel_stacked_dot
+from jaxdecode.hooks import KERNEL_CALLS, TP_CALLS, kernel_stacked_dot
 from jaxdecode.model import Hook, init_random, load_state_dict
 from kernels.decode_attention import BlockSizes
 

@@ -12,8 +12,7 @@ from jax import lax
 
 from jaxdecode.config import TensorParallel, get_preset
 from jaxdecode.decode import Engine
-from jaxdecode.looped_model import (
-    LoopedForward,
+from jaxdecode.hooks import (
     kernel_attention,
     kernel_calls,
     kernel_qkv,
@@ -23,6 +22,7 @@ from jaxdecode.looped_model import (
     kernel_stacked_dot,
     kernel_swiglu,
 )
+from jaxdecode.looped_model import LoopedForward
 from jaxdecode.looping import SplitSum, StackedRef, kernel_loop
 from jaxdecode.looping.inplace import output_aliases
 from jaxdecode.model import Hook, init_random

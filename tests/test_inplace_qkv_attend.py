@@ -1,4 +1,4 @@
-"""The `qkv_attend` hook of the in-place looped decode (`looped_model.kernel_qkv_attend`): the q·k·v GEMM's
+"""The `qkv_attend` hook of the in-place looped decode (`hooks.kernel_qkv_attend`): the q·k·v GEMM's
 raw partials, their epilogue kernel (`kernels.qkv_rope`) and the attention on q rows, against the unrolled
 model; the cache stacks touched only by the two kernels; the cases where the hook declines."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.decode import Engine
-from jaxdecode.looped_model import kernel_qkv_attend
+from jaxdecode.hooks import kernel_qkv_attend
 from jaxdecode.looping import StackedRef
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.flat_gemm_stream import StreamBlocks

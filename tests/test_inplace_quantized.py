@@ -10,7 +10,7 @@ import pytest
 
 from jaxdecode.config import ModelConfig
 from jaxdecode.decode import Engine
-from jaxdecode.looped_model import kernel_qkv_attend, kernel_quant_dot, kernel_swiglu
+from jaxdecode.hooks import kernel_qkv_attend, kernel_quant_dot, kernel_swiglu
 from jaxdecode.looping import StackedRef, outside_runs
 from jaxdecode.model import Hook, init_random, quantize_weights
 from jaxdecode.model import qkv_attend as model_qkv_attend

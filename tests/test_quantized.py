@@ -23,8 +23,8 @@ from jaxdecode.bench import compiled_steps, time_engine
 from jaxdecode.config import ModelConfig, get_preset
 from jaxdecode.cost import decode_cost, matmul_params_per_layer, quantized_bytes
 from jaxdecode.decode import Engine
+from jaxdecode.hooks import kernel_quant_dot
 from jaxdecode.loading import load_model
-from jaxdecode.looped_model import kernel_quant_dot
 from jaxdecode.looping import outside_runs
 from jaxdecode.memory import estimate
 from jaxdecode.model import Hook, init_random, quantize_weights

@@ -69,7 +69,7 @@ def _compare_qkv_attend(cfg) -> dict:
     partials), on 2 devices and on one: the kernel writes each device's shard of the carried caches."""
     import functools
 
-    from jaxdecode import looped_model
+    from jaxdecode import hooks
     from kernels.decode_attention import BlockSizes as AttentionBlocks
     from kernels.flat_gemm_stream import StreamBlocks
     from tests.test_inplace_qkv_attend import reference_partials
@@ -77,7 +77,7 @@ def _compare_qkv_attend(cfg) -> dict:
     ran = []
 
     def hook(*args):  # tiles of 8 divide a device's widths (q 24, k and v 8) and hold half a head (4)
-        out = looped_model.kernel_qkv_attend(
+        out = hooks.kernel_qkv_attend(
             *args,
             impl="stream",
             partials=functools.partial(reference_partials, tile=8),
@@ -99,7 +99,7 @@ def _compare_residual_norm(cfg) -> dict:
     checked is the hook's wiring: bound to the mesh axis, it all-reduces the partial sums before adding."""
     import jax
 
-    from jaxdecode import looped_model
+    from jaxdecode import hooks
     from kernels.rms_norm import rms_norm_reference
 
     ran = []
@@ -110,7 +110,7 @@ def _compare_residual_norm(cfg) -> dict:
         return total, rms_norm_reference(total, weights, layer, eps=eps)
 
     def hook(*args, axis, allreduce_impl):
-        out = looped_model.kernel_residual_norm(
+        out = hooks.kernel_residual_norm(
             *args, axis=axis, allreduce_impl=allreduce_impl, all_reduce_norm=all_reduce_norm
         )
         if out is not None:

@@ -24,7 +24,7 @@ in which a stacked input is a lazy `StackedRef(stack, i)`:
   biases);
 - a `stacked_dot` hook may return a `SplitSum` (a GEMM's split-K partial sums, not yet added): a
   hook marked with `takes_split_sums` gets it and sums the partials inside its own kernel (the o
-  projection's into the residual add and norm, `looped_model.kernel_split_residual_norm`); every
+  projection's into the residual add and norm, `hooks.kernel_split_residual_norm`); every
   other consumer gets the sum.
 
 Nothing is bound with hand-built params: each equation is re-bound with its own primitive and
