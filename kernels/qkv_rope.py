@@ -404,35 +404,25 @@ def _qkv_rope_write(
     if len(biases) not in (0, 3):
         raise ValueError(f"biases must be () or three stacks (q, k, v), got {len(biases)}")
     table = not written.all()
-    if impl == "mosaic":
-        q_shape = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), k_stack.dtype)
-        inputs = (
-            jnp.asarray(layer, jnp.int32),
-            positions.astype(jnp.int32),
-            jnp.asarray(written, jnp.int32) if table else None,
-            partials,
-            cos.astype(jnp.float32),
-            sin.astype(jnp.float32),
-        )
-        return _mosaic_call(
-            inputs, biases, k_stack, v_stack, q_shape, heads=heads, tile_n=tile_n, interpret=interpret, poison=poison
-        )
-    body = functools.partial(_kernel, heads=heads, kv_heads=kv_heads, tile_n=tile_n, biased=bool(biases), table=table)
-    whole = pl.BlockSpec()
-    inputs = [
+    q_shape = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), k_stack.dtype)
+    # both kernels' inputs: layer, positions, the table of written slots (None: every slot written), ...
+    head = (
         jnp.asarray(layer, jnp.int32),
         positions.astype(jnp.int32),
-        *([jnp.asarray(written, jnp.int32)] if table else []),
+        jnp.asarray(written, jnp.int32) if table else None,
         partials,
         cos.astype(jnp.float32),
         sin.astype(jnp.float32),
-        *biases,
-        k_stack,
-        v_stack,
-    ]
+    )
+    if impl == "mosaic":
+        return _mosaic_call(
+            head, biases, k_stack, v_stack, q_shape, heads=heads, tile_n=tile_n, interpret=interpret, poison=poison
+        )
+    body = functools.partial(_kernel, heads=heads, kv_heads=kv_heads, tile_n=tile_n, biased=bool(biases), table=table)
+    whole = pl.BlockSpec()
+    inputs = [a for a in head if a is not None] + [*biases, k_stack, v_stack]
     in_specs = [pl.BlockSpec((), lambda b, h, r: ())] + [whole] * (len(inputs) - 1)
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, r: (b, h, 0, 0))
-    q_shape = jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), k_stack.dtype)
     n_in = len(inputs)
     aliases = {n_in - 2: 1, n_in - 1: 2}  # the stacks, written in place
     if poison:
