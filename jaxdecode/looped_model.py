@@ -34,12 +34,7 @@ from flax import nnx
 from jaxdecode.cache import KVCache
 from jaxdecode.config import ModelConfig, get_preset
 from jaxdecode.hooks import kernel_calls, kernel_stacked_dot
-from jaxdecode.looping import (
-    LoopPlan,
-    LoopReport,
-    Packed,
-    kernel_loop,
-)
+from jaxdecode.looping import LoopPlan, LoopReport, Packed, kernel_loop
 from jaxdecode.model import Hook, Transformer
 
 # Argument and output positions of `forward` below that the plan packs.

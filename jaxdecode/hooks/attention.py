@@ -10,17 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode.hooks.gemm import on_hopper_16bit, qkv_stream_fits, quantized_weights, stream_arrays
-from jaxdecode.looping import (
-    StackedRef,
-)
-from kernels import (
-    decode_attention,
-    dispatch,
-    flat_gemm_stream,
-    qkv_rope,
-    quant_gemm,
-    quant_gemm_stream,
-)
+from jaxdecode.looping import StackedRef
+from kernels import decode_attention, dispatch, flat_gemm_stream, qkv_rope, quant_gemm, quant_gemm_stream
 
 
 def kernel_qkv_attend(

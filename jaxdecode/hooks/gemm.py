@@ -10,18 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdecode.looping import (
-    SplitSum,
-    StackedRef,
-    outside_runs,
-)
-from kernels import (
-    dispatch,
-    flat_gemm,
-    flat_gemm_stream,
-    quant_gemm,
-    quant_gemm_stream,
-)
+from jaxdecode.looping import SplitSum, StackedRef, outside_runs
+from kernels import dispatch, flat_gemm, flat_gemm_stream, quant_gemm, quant_gemm_stream
 
 
 def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes, weights: int = 1) -> str | None:

@@ -7,16 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.looping import (
-    SplitSum,
-    StackedRef,
-    takes_split_sums,
-)
-from kernels import (
-    allreduce,
-    dispatch,
-    rms_norm,
-)
+from jaxdecode.looping import SplitSum, StackedRef, takes_split_sums
+from kernels import allreduce, dispatch, rms_norm
 
 
 def _constant_eps(eps) -> float | None:
