@@ -57,11 +57,11 @@ GROUP = 128
 FUSED = {"qkv": ((4096, 1024, 1024), 4096), "gate+up": ((14336, 14336), 4096)}  # (N_i, K): one launch each
 VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K); the first is the engine's
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
-    "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # int4 through Mosaic GPU's relayout
-    "stream_acc_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="acc"),  # scales per group on the accumulators
-    "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),  # scales and offsets on the codes
-    "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
-    "stream_w_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="w"),
+    "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),  # int4: biased codes, four warpgroups
+    "stream_tk512": qs.QuantStreamBlocks(tile_k=512),  # int4: biased codes, twice the groups per unit
+    "stream_relabel": qs.QuantStreamBlocks(int4_feed="relabel"),  # Mosaic GPU's conversion, scaled in registers
+    "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # the same through Mosaic GPU's relayout
+    "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w", int4_feed="relabel"),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
 INT8_VARIANTS = ("stream", "stream_w_2wg", "stream_acc_4wg", "tile")
@@ -421,6 +421,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--quick", action="store_true", help="time the first two variants and int8's default only")
+    ap.add_argument("--variants", default=None, help="comma-separated names of VARIANTS to time (default: all)")
     ap.add_argument("--dry-run", action="store_true", help="interpret mode on tiny shapes (the CPU works)")
     ap.add_argument("--skip-timing", action="store_true", help="the ceiling and the correctness check only")
     ap.add_argument("--budget-s", type=float, default=210, help="start no timing row after this many seconds")
@@ -459,6 +460,8 @@ def main(argv=None) -> dict:
     save()
     if not args.skip_timing:
         variants = dict(list(VARIANTS.items())[:2]) if args.quick else VARIANTS
+        if args.variants:
+            variants = {name: VARIANTS[name] for name in args.variants.split(",")}
         int8 = INT8_VARIANTS[:1] if args.quick else INT8_VARIANTS
         since = time.perf_counter() - t_start
         if not RUN["dry"]:  # the peer first, so that --budget-s never cuts it

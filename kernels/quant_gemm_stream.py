@@ -59,19 +59,24 @@ class QuantStreamBlocks:
     # Σx added) in f32 per unit; "w": codes scaled and offset in registers, in x's dtype, one accumulator;
     # "auto": "w" for weights with offsets, "acc" otherwise (the faster of the two for each on an H200)
     scale_in: str = "auto"
-    # int4 codes into wgmma's register operand: "relabel" (x's K order permuted within 32-column blocks
-    # so the upcast registers are the operand as they are, `permute_k`) or "shuffle" (Mosaic GPU's
+    # int4 codes into wgmma's register operand: "biased" (bias + code in x's dtype by one lop3 per pair of
+    # codes, columns in `permute_pairs` order; the bias comes off on the accumulators: scale_in="acc"),
+    # "relabel" (Mosaic GPU's exact conversion, x's K order permuted within 32-column blocks so the upcast
+    # registers are the operand as they are, `permute_k`) or "shuffle" (Mosaic GPU's conversion and its
     # relayout: two warp shuffles and a byte permute per register)
-    int4_feed: str = "relabel"
+    int4_feed: str = "biased"
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
 
-    def resolved(self, ns, has_offsets: bool) -> QuantStreamBlocks:
-        """These blocks for weights of widths `ns`. "auto": "w" for weights with offsets, "acc" otherwise;
-        tile_n=None: the widest tile that divides every width, up to 256 rows under "w" (four compute
-        warpgroups: converting, scaling and offsetting int4 codes is what bounds it) and 128 under "acc"
-        (two: more measured slower); compute_wgs=None: one warpgroup per 64 rows."""
-        scale_in = ("w" if has_offsets else "acc") if self.scale_in == "auto" else self.scale_in
+    def resolved(self, ns, has_offsets: bool, bits: int = 4) -> QuantStreamBlocks:
+        """These blocks for weights of widths `ns` and codes of `bits`. "auto": "acc" for biased int4 codes,
+        else "w" for weights with offsets and "acc" otherwise; tile_n=None: the widest tile that divides
+        every width, up to 256 rows under "w" (four compute warpgroups: converting, scaling and offsetting
+        int4 codes is what bounds it) and 128 under "acc" (two: more measured slower); compute_wgs=None:
+        one warpgroup per 64 rows."""
+        biased = bits == 4 and self.int4_feed == "biased"
+        auto = "acc" if biased or not has_offsets else "w"
+        scale_in = auto if self.scale_in == "auto" else self.scale_in
         widest = (256, 128) if scale_in == "w" else (128,)
         tile_n = self.tile_n or next((t for t in widest if all(n % t == 0 for n in ns)), 64)
         return dataclasses.replace(self, tile_n=tile_n, compute_wgs=self.compute_wgs or tile_n // 64, scale_in=scale_in)
@@ -93,7 +98,8 @@ class _Layout:
     wgs: int
     arrays: int  # arrays per weight: codes, scales (, offsets)
     scale_in: str
-    relabel: bool  # int4 codes reach wgmma relabelled, x permuted by `permute_k`
+    feed: str  # "biased", "relabel" or "shuffle" for int4 codes (x permuted to match), "int8"
+    bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
 
     @property
     def gw(self) -> int:  # columns of one group inside a unit
@@ -122,6 +128,62 @@ def permute_k(a):
     """a [..., K] with columns 32b + 8c + 2t + e moved to 32b + 8t + 2c + e (K a multiple of 32)."""
     *lead, k = a.shape
     return a.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
+
+
+# Biased codes. Mosaic GPU's exact int4 → bf16 conversion spends three instructions on two codes: a byte
+# permute that puts codes 2t and 2t+1 of a register in the two halves of a 32-bit word, a lop3 that
+# masks them and ORs in the exponent of 128 (flipping the sign bit: 128 + 8 + code, exact), and a bf16x2
+# subtract of 136. Pairing codes t and t+4 instead needs no permute (they sit 16 bits apart: one shift of
+# the register by 4t serves both), and the subtract can wait: the wgmma sums (bias + code) · x over a
+# group, and bias · Σx (which the all-ones wgmma of scale_in="acc" gives) comes off in f32 once per
+# group. One lop3 per pair and a shift per four pairs; the bias is exact in f32 (bf16: 136, f16: 1032).
+# The register's pair t becomes wgmma's columns (2c, 2c + 1) of 8-column tile t, so the operand wgmma
+# sees is W'[:, 32b + 8t + 2c + e] = W[:, 32b + 8c + t + 4e], and x is permuted the same way
+# (`permute_pairs`).
+
+BIAS_BITS = {jnp.dtype(jnp.bfloat16): (136, 0x4308), jnp.dtype(jnp.float16): (1032, 0x6408)}  # bias, its half-word
+
+
+def permute_pairs(a):
+    """a [..., K] with column 32b + 8c + t + 4e moved to 32b + 8t + 2c + e (K a multiple of 32)."""
+    *lead, k = a.shape
+    return jnp.moveaxis(a.reshape(*lead, k // 32, 4, 2, 4), -1, -3).reshape(*lead, k)
+
+
+def _biased_as_wgmma(codes, dtype):
+    """codes [rows, cw] int4 (WGMMA_UPCAST_4X layout) as bias + codes in `dtype` (WGMMA_LAYOUT), their
+    columns in `permute_pairs` order."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    half = BIAS_BITS[jnp.dtype(dtype)][1]
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, dtype, plgpu.Layout.WGMMA),
+    )
+    def convert(_, arr):
+        i32 = ir.IntegerType.get_signless(32)
+        old = arr.registers  # [1, cw/32, 1, 1, 2, 1, ...] of vector<8 x i4>: (32-column block, row half)
+        new = np.empty(fa.WGMMA_LAYOUT.registers_shape(arr.shape), dtype=object)  # (8-column tile, half)
+        assert old.shape[1] * 4 == new.shape[1] and old.shape[4] == new.shape[4] == 2, (old.shape, new.shape)
+        pair_type = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
+        words = {}
+        for idx in np.ndindex(new.shape):
+            src = list(idx)
+            src[1], t = divmod(idx[1], 4)
+            src = tuple(src)
+            if src not in words:
+                words[src] = mgpu_utils.bitcast(old[src], i32)
+            word = words[src] if t == 0 else arith.shrui(words[src], mgpu_utils.c(4 * t, i32))
+            # (word & 0x000F000F) ^ the bias's half-words: codes t and t + 4 as bias + code
+            pair = llvm.inline_asm(i32, [word], f"lop3.b32 $0, $1, 0x000F000F, {half * 0x10001:#x}, 0x6a;", "=r,r")
+            new[idx] = mgpu_utils.bitcast(pair, pair_type)
+        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return convert(codes)
 
 
 def _relabel_as_wgmma(w):
@@ -213,7 +275,9 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         c_rows = c_smem.at[slot, pl.ds(r0, rows)]  # [rows, tile_k]
         for ci in range(tile_k // cw):
             chunk = plgpu.load(c_rows.at[:, pl.ds(ci * cw, cw)], layout=upcast)  # [rows, cw]
-            if lay.relabel:
+            if lay.feed == "biased":
+                chunk = permute_pairs(chunk.astype(cdt)) + lay.bias if interpret else _biased_as_wgmma(chunk, cdt)
+            elif lay.feed == "relabel":
                 chunk = permute_k(chunk.astype(cdt)) if interpret else _relabel_as_wgmma(chunk.astype(cdt))
             else:
                 chunk = plgpu.layout_cast(chunk, plgpu.Layout.WGMMA).astype(cdt)
@@ -244,26 +308,33 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         plgpu.wgmma_wait(0)
         plgpu.barrier_arrive(consumed.at[slot])
 
+    sums = offsets or lay.bias != 0  # a group's Σx is needed: for its offsets, or to take the bias off
+
     def unit_acc(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, scaled per group
         slot = lax.rem(j, lay.stages)
         plgpu.barrier_wait(produced.at[slot])
-        ones = plgpu.layout_cast(jnp.ones((rows, gw), cdt), plgpu.Layout.WGMMA) if offsets else None
+        ones = plgpu.layout_cast(jnp.ones((rows, gw), cdt), plgpu.Layout.WGMMA) if sums else None
 
-        def scope(*accs):  # one accumulator per group (and one per group's Σx under offsets)
-            rows_of = []
+        def scope(*accs):  # one accumulator per group (and one per group's Σx)
+            groups_of = []
             for g, w, x_t in groups(slot, r0):
-                mma(accs[g], w, x_t)  # codesᵀ · xᵀ
-                rows_of.append((g, per_row(slot, r0, g, 0, jnp.float32)))
-                if offsets:
+                mma(accs[g], w, x_t)  # (bias + codes)ᵀ · xᵀ
+                if sums:
                     mma(accs[lay.group_rows + g], ones, x_t)  # every row: Σ_k∈g x[m, k]
-                    rows_of.append((lay.group_rows + g, per_row(slot, r0, g, 1, jnp.float32)))
+                scales = per_row(slot, r0, g, 0, jnp.float32)
+                offs = per_row(slot, r0, g, 1, jnp.float32) if offsets else None
+                groups_of.append((g, scales, offs))
             plgpu.wgmma_wait(0)
-            return [(accs[i][...], v) for i, v in rows_of]
+            return [(accs[g][...], accs[lay.group_rows + g][...] if sums else None, s, o) for g, s, o in groups_of]
 
-        parts = pl.run_scoped(scope, *[plgpu.ACC((rows, m8), jnp.float32)] * (lay.group_rows * (1 + offsets)))
+        parts = pl.run_scoped(scope, *[plgpu.ACC((rows, m8), jnp.float32)] * (lay.group_rows * (1 + sums)))
         plgpu.barrier_arrive(consumed.at[slot])  # the scales and offsets are in registers now
-        for part, v in parts:
-            total = total + part * lax.broadcast_in_dim(v, part.shape, [0])
+        for part, xsum, s, o in parts:  # codes · x = part - bias · Σx; + offsets · Σx
+            if lay.bias:
+                part = part - lay.bias * xsum
+            total = total + part * lax.broadcast_in_dim(s, part.shape, [0])
+            if o is not None:
+                total = total + xsum * lax.broadcast_in_dim(o, part.shape, [0])
         return total
 
     @pl.when(wg < wgs)
@@ -321,8 +392,10 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"the kernel takes bf16 or f16 x, got {x.dtype}")
     if m > MAX_M:
         raise UntiledShape(f"the quantized stream GEMM takes M <= {MAX_M}, got M={m}")
-    if cfg.int4_feed not in ("relabel", "shuffle"):
-        raise UntiledShape(f"int4_feed must be 'relabel' or 'shuffle', got {cfg.int4_feed!r}")
+    if cfg.int4_feed not in ("biased", "relabel", "shuffle"):
+        raise UntiledShape(f"int4_feed must be 'biased', 'relabel' or 'shuffle', got {cfg.int4_feed!r}")
+    if cfg.int4_feed == "biased" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
+        raise UntiledShape(f"int4_feed='biased' needs scale_in='acc', got {cfg.scale_in!r}")
     if cfg.scale_in not in ("acc", "w", "auto"):
         raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
     if cfg.compute_wgs not in (1, 2, 3, 4) or cfg.tile_n % (64 * cfg.compute_wgs):
@@ -339,7 +412,7 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are.
     x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None)."""
     weights = tuple(tuple(w) for w in weights)
-    cfg = cfg.resolved([c.shape[1] for c, _, _ in weights], weights[0][2] is not None)
+    cfg = cfg.resolved([c.shape[1] for c, _, _ in weights], weights[0][2] is not None, code_bits(weights[0][0].dtype))
     _check(x, weights, group, cfg)
     m, k = x.shape
     m8 = -(-m // 8) * 8
@@ -360,10 +433,10 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     if fit < 2:
         raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={cfg.smem_bytes} at M={m}")
     stages = max(2, min(cfg.stages, fit))
-    relabel = bits == 4 and cfg.int4_feed == "relabel" and group % 32 == 0
-    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, relabel)
-    if relabel:
-        x = permute_k(x)
+    feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
+    bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
+    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, feed, bias)
+    x = {"biased": permute_pairs, "relabel": permute_k}.get(feed, lambda a: a)(x)
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),
         plgpu.SMEM(

@@ -23,7 +23,10 @@ ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_
 # Outputs are ~N(0, 1). Both round an f32 sum to bf16 once (one ulp apart at most: 2^-7 relative) and add
 # in different orders (f32: far below that). scale_in="w" also rounds every scaled (and offset) weight to
 # bf16 (2^-9 relative, up to three roundings) before the f32 sum: at most ~2^-8·σ(y) per output, which
-# averages over K; 6σ of it.
+# averages over K; 6σ of it. Biased int4 codes (int4_feed="biased") add (bias + code) · x over a group in f32
+# and take bias · Σx off: the sum's terms reach ~150·|x|, so its f32 error is at most G · 2^-24 · 150 · Σ|x|
+# (~0.12 code·x units at G = 128), times a scale of ~1/(4.6·√K): under 2^-10 per group, 2^-8 over K = 512 at
+# that worst case (within the "acc" bound).
 ATOL = {"acc": 2.0**-7, "w": 6 * 2.0**-8}
 RTOL = 2.0**-7
 LAYERS = 3
@@ -41,6 +44,8 @@ class Case:
     wgs: int = 2
     scale_in: str = "acc"
     k: int = 512
+    feed: str = "biased"  # int4_feed
+    x: str = "bfloat16"
 
     @property
     def g(self) -> int:
@@ -55,10 +60,14 @@ CASES = {
     "int8_perchannel_m8_one_wg": Case(8, "int8", 0, wgs=1),
     "int4_g32_m1_unstacked_one_wg_offsets": Case(1, "int4", 32, offsets=True, stacked=False, wgs=1),
     "int8_g32_m5_bf16scales_two": Case(5, "int8", 32, ns=(128, 384), scales="bfloat16"),
-    "int4_g32_m5_qkv_offsets_w": Case(5, "int4", 32, ns=(256, 128, 128), offsets=True, scale_in="w"),
+    "int4_g32_m5_qkv_offsets_w": Case(5, "int4", 32, ns=(256, 128, 128), offsets=True, scale_in="w", feed="relabel"),
+    "int4_g128_m1_relabel_offsets": Case(1, "int4", 128, offsets=True, feed="relabel"),
+    "int4_g128_m5_shuffle": Case(5, "int4", 128, feed="shuffle"),
+    "int4_g128_m5_f16x_offsets": Case(5, "int4", 128, offsets=True, scales="float16", x="float16"),
     "int8_perchannel_m8_w_f16": Case(8, "int8", 0, scales="float16", scale_in="w"),
     "int4_g128_m8_four_wgs_offsets": Case(8, "int4", 128, ns=(256, 512), offsets=True, wgs=4),
-    "int4_g32_m10_padded_w_offsets": Case(10, "int4", 32, offsets=True, scale_in="w"),  # x padded to 16 rows
+    # x padded to 16 rows
+    "int4_g32_m10_padded_w_offsets": Case(10, "int4", 32, offsets=True, scale_in="w", feed="relabel"),
     "int8_g128_m19_qkv": Case(19, "int8", 128, ns=(256, 128, 128)),
 }
 # 8 CTAs off the GPU; K = 512 is 4 units per tile, so tiles span two or three CTAs
@@ -83,7 +92,7 @@ def _weight(key, case: Case, n: int):
 
 def _inputs(case: Case, seed: int = 0):
     keys = jax.random.split(jax.random.key(seed), 1 + len(case.ns))
-    x = jax.random.normal(keys[0], (case.m, case.k), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(keys[0], (case.m, case.k), jnp.float32).astype(case.x)
     weights = tuple(_weight(kk, case, n) for kk, n in zip(keys[1:], case.ns))
     return x, weights, (jnp.int32(LAYERS - 1) if case.stacked else None)
 
@@ -104,7 +113,9 @@ class TestQuantStream:
             pytest.skip("compiled Mosaic GPU kernels need a Hopper GPU")
 
     def _blocks(self, case: Case) -> qs.QuantStreamBlocks:
-        cfg = dataclasses.replace(BLOCKS, compute_wgs=case.wgs, tile_n=max(128, 64 * case.wgs), scale_in=case.scale_in)
+        cfg = dataclasses.replace(
+            BLOCKS, compute_wgs=case.wgs, tile_n=max(128, 64 * case.wgs), scale_in=case.scale_in, int4_feed=case.feed
+        )
         return cfg if self.INTERPRET else dataclasses.replace(cfg, ctas=None)
 
     @pytest.mark.parametrize("name", list(CASES))
@@ -116,7 +127,7 @@ class TestQuantStream:
         )
         assert len(outs) == len(weights)
         for out, (c, s, o) in zip(outs, weights):
-            assert out.dtype == jnp.bfloat16
+            assert out.dtype == jnp.dtype(case.x)
             _close(out, qg.quant_gemm_reference(x, c, s, o, layer, group=case.g), case.scale_in)
 
     def test_loop_over_layers_reads_each_layer(self):
@@ -185,6 +196,7 @@ def test_lowers_for_hopper_on_any_host(name):
         dict(mixed=True),  # one weight with offsets, one without
         dict(scale_in="x"),
         dict(wgs=5),
+        dict(scale_in="w", feed="biased"),  # the bias comes off the accumulators only
     ],
 )
 def test_untiled_shapes_are_refused_with_the_numbers(bad):
@@ -192,7 +204,9 @@ def test_untiled_shapes_are_refused_with_the_numbers(bad):
     x, weights, layer = _inputs(case)
     if bad.get("mixed"):
         weights = (weights[0], (weights[1][0], weights[1][1], None))
-    cfg = dataclasses.replace(BLOCKS, scale_in=bad.get("scale_in", "acc"), compute_wgs=bad.get("wgs", 2))
+    cfg = dataclasses.replace(
+        BLOCKS, scale_in=bad.get("scale_in", "acc"), compute_wgs=bad.get("wgs", 2), int4_feed=bad.get("feed", "relabel")
+    )
     with pytest.raises(qs.UntiledShape, match=r"\d|scale_in"):
         qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg, interpret=True)
 
@@ -214,3 +228,23 @@ def test_permute_k_moves_each_column_as_the_register_relabel_does():
     for b, c, t, e in np.ndindex(k // 32, 4, 4, 2):
         assert cols[32 * b + 8 * t + 2 * c + e] == 32 * b + 8 * c + 2 * t + e
     np.testing.assert_array_equal(np.asarray(permute_k(permute_k(jnp.arange(k)[None])))[0], np.arange(k))
+
+
+def test_permute_pairs_moves_each_column_as_the_biased_conversion_pairs_them():
+    """permute_pairs puts column 32b + 8c + t + 4e (code t + 4e of lane c's register) at 32b + 8t + 2c + e."""
+    k = 64
+    cols = np.asarray(qs.permute_pairs(jnp.arange(k)[None]))[0]
+    for b, c, t, e in np.ndindex(k // 32, 4, 4, 2):
+        assert cols[32 * b + 8 * t + 2 * c + e] == 32 * b + 8 * c + t + 4 * e
+    assert sorted(cols) == list(range(k))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_bias_bits_are_the_bias_plus_each_code(dtype):
+    """The lop3's output, (nibble & 0xF) ^ the bias's half-word, read as `dtype`, is bias + code for every int4
+    code: the sign flip of the nibble adds 8 to the code and the exponent bits make the mantissa count units."""
+    bias, half = qs.BIAS_BITS[jnp.dtype(dtype)]
+    codes = np.arange(-8, 8)
+    bits = ((codes & 0xF) ^ half).astype(np.uint16)
+    values = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype), np.float64)
+    np.testing.assert_array_equal(values, bias + codes)
