@@ -57,11 +57,12 @@ GROUP = 128
 FUSED = {"qkv": ((4096, 1024, 1024), 4096), "gate+up": ((14336, 14336), 4096)}  # (N_i, K): one launch each
 VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K); the first is the engine's
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
-    "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),  # int4: biased codes, four warpgroups
-    "stream_tk512": qs.QuantStreamBlocks(tile_k=512),  # int4: biased codes, twice the groups per unit
-    "stream_relabel": qs.QuantStreamBlocks(int4_feed="relabel"),  # Mosaic GPU's conversion, scaled in registers
-    "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # the same through Mosaic GPU's relayout
-    "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w", int4_feed="relabel"),
+    "stream_overlap": qs.QuantStreamBlocks(overlap=True),  # "w": unit j + 1 converted while unit j's wgmmas run
+    "stream_biased_4wg": qs.QuantStreamBlocks(tile_n=256, int4_feed="biased"),  # int4: biased codes, "acc"
+    "stream_biased_2wg": qs.QuantStreamBlocks(tile_n=128, int4_feed="biased"),
+    "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout
+    "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),
+    "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
 INT8_VARIANTS = ("stream", "stream_w_2wg", "stream_acc_4wg", "tile")

@@ -64,7 +64,10 @@ class QuantStreamBlocks:
     # "relabel" (Mosaic GPU's exact conversion, x's K order permuted within 32-column blocks so the upcast
     # registers are the operand as they are, `permute_k`) or "shuffle" (Mosaic GPU's conversion and its
     # relayout: two warp shuffles and a byte permute per register)
-    int4_feed: str = "biased"
+    int4_feed: str = "relabel"
+    # under scale_in="w": a unit's stage is released once the next unit's wgmmas are issued, so a warpgroup
+    # converts unit j + 1 while unit j's wgmmas run (False: released after its own wgmmas, waited on)
+    overlap: bool = False
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
 
@@ -98,6 +101,7 @@ class _Layout:
     wgs: int
     arrays: int  # arrays per weight: codes, scales (, offsets)
     scale_in: str
+    overlap: bool
     feed: str  # "biased", "relabel" or "shuffle" for int4 codes (x permuted to match), "int8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
 
@@ -297,7 +301,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         else:
             plgpu.wgmma(acc, w, x_t)
 
-    def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
+    def unit_w(j, acc, r0, j_start):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)
         plgpu.barrier_wait(produced.at[slot])
         for g, w, x_t in groups(slot, r0):
@@ -305,8 +309,15 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             if offsets:
                 w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1, cdt), w.shape, [0])
             mma(acc, w, x_t)
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(consumed.at[slot])
+        if not lay.overlap:
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return
+        plgpu.wgmma_wait(tile_k // gw)  # one wgmma group per group of columns: unit j - 1's are done
+
+        @pl.when(j > j_start)
+        def _():
+            plgpu.barrier_arrive(consumed.at[lax.rem(j - 1, lay.stages)])
 
     sums = offsets or lay.bias != 0  # a group's Σx is needed: for its offsets, or to take the bias off
 
@@ -352,7 +363,10 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             else:
 
                 def run(acc):
-                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit_w(j, acc, r0), carry)[1], None)
+                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit_w(j, acc, r0, j_start), carry)[1], None)
+                    if lay.overlap:  # the segment's last unit
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[lax.rem(j_end - 1, lay.stages)])
                     return acc[...]
 
                 part = pl.run_scoped(run, plgpu.ACC((rows, m8), jnp.float32))  # [rows, M8]
@@ -435,7 +449,10 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     stages = max(2, min(cfg.stages, fit))
     feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
     bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
-    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, feed, bias)
+    overlap = cfg.overlap and cfg.scale_in == "w"
+    lay = _Layout(
+        sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, overlap, feed, bias
+    )
     x = {"biased": permute_pairs, "relabel": permute_k}.get(feed, lambda a: a)(x)
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),

@@ -45,6 +45,7 @@ class Case:
     scale_in: str = "acc"
     k: int = 512
     feed: str = "biased"  # int4_feed
+    overlap: bool = False
     x: str = "bfloat16"
 
     @property
@@ -62,6 +63,8 @@ CASES = {
     "int8_g32_m5_bf16scales_two": Case(5, "int8", 32, ns=(128, 384), scales="bfloat16"),
     "int4_g32_m5_qkv_offsets_w": Case(5, "int4", 32, ns=(256, 128, 128), offsets=True, scale_in="w", feed="relabel"),
     "int4_g128_m1_relabel_offsets": Case(1, "int4", 128, offsets=True, feed="relabel"),
+    "int4_g128_m1_relabel_w_overlap": Case(1, "int4", 128, offsets=True, feed="relabel", scale_in="w", overlap=True),
+    "int8_g32_m8_w_overlap_4wg": Case(8, "int8", 32, ns=(256, 512), scale_in="w", overlap=True, wgs=4),
     "int4_g128_m5_shuffle": Case(5, "int4", 128, feed="shuffle"),
     "int4_g128_m5_f16x_offsets": Case(5, "int4", 128, offsets=True, scales="float16", x="float16"),
     "int8_perchannel_m8_w_f16": Case(8, "int8", 0, scales="float16", scale_in="w"),
@@ -114,7 +117,12 @@ class TestQuantStream:
 
     def _blocks(self, case: Case) -> qs.QuantStreamBlocks:
         cfg = dataclasses.replace(
-            BLOCKS, compute_wgs=case.wgs, tile_n=max(128, 64 * case.wgs), scale_in=case.scale_in, int4_feed=case.feed
+            BLOCKS,
+            compute_wgs=case.wgs,
+            tile_n=max(128, 64 * case.wgs),
+            scale_in=case.scale_in,
+            int4_feed=case.feed,
+            overlap=case.overlap,
         )
         return cfg if self.INTERPRET else dataclasses.replace(cfg, ctas=None)
 
