@@ -44,7 +44,10 @@ def child(variant: str, loop: str, args) -> dict:
     model = load_model(**VARIANTS[variant]).model
     engine = Engine(model, loop_layers=loop == "looped")
     prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, args.prompt_len))
-    runs = [time_engine(engine, prompts, context=0, steps=args.steps) for _ in range(args.repeats)]
+    runs = [time_engine(engine, prompts, context=0, steps=args.steps)]  # the first compiles
+    cpu, wall = time.process_time(), time.perf_counter()
+    runs += [time_engine(engine, prompts, context=0, steps=args.steps) for _ in range(args.repeats - 1)]
+    cpu_share = (time.process_time() - cpu) / (time.perf_counter() - wall)
     return dict(
         variant=variant,
         loop_mode=loop_mode(engine),
@@ -52,6 +55,7 @@ def child(variant: str, loop: str, args) -> dict:
         first_call_s=round(runs[0].first_call_s, 2),
         weight_bytes=step_weight_bytes(model),
         tokens=runs[-1].tokens[0].tolist(),
+        cpu_share=round(cpu_share, 2),
         load_before=load_before,
         load_after=os.getloadavg()[0],
         backend=jax.default_backend(),
@@ -101,18 +105,21 @@ def main(argv=None) -> int:
                 greedy_equal=all(r["tokens"] == reference for r in rs),
                 runs=[r["tok_s"] for r in rs],
                 load=[(r["load_before"], r["load_after"]) for r in rs],
+                cpu_share=[r["cpu_share"] for r in rs],
             )
         )
     hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"\n{hardware}, read ceiling {ceiling:.1f} GB/s, {args.steps} steps", file=sys.stderr)
     print(
-        f"{'weights':10} {'loop':9} {'tok/s':>6} {'max':>6} {'vs f32':>6} {'MB':>6} {'GB/s':>6} {'%ceil':>6} greedy=",
+        f"{'weights':10} {'loop':9} {'tok/s':>6} {'max':>6} {'vs f32':>6} {'MB':>6} {'GB/s':>6} {'%ceil':>6} "
+        f"{'cores':>9} greedy=",
         file=sys.stderr,
     )
     for r in rows:
         print(
             f"{r['variant']:10} {r['loop_mode']:9} {r['tok_s']:6.1f} {r['tok_s_max']:6.1f} {r['vs_float32']:6.2f} "
-            f"{r['weight_mb']:6.0f} {r['gb_s']:6.2f} {r['pct_ceiling']:6.1f} {r['greedy_equal']}",
+            f"{r['weight_mb']:6.0f} {r['gb_s']:6.2f} {r['pct_ceiling']:6.1f} "
+            f"{min(r['cpu_share']):4.2f}-{max(r['cpu_share']):4.2f} {r['greedy_equal']}",
             file=sys.stderr,
         )
     load = [x for r in rows for pair in r["load"] for x in pair]
