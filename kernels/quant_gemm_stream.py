@@ -67,7 +67,7 @@ class QuantStreamBlocks:
     int4_feed: str = "relabel"
     # under scale_in="w": a unit's stage is released once the next unit's wgmmas are issued, so a warpgroup
     # converts unit j + 1 while unit j's wgmmas run (False: released after its own wgmmas, waited on)
-    overlap: bool = False
+    overlap: bool = True
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
 
