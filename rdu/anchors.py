@@ -35,42 +35,54 @@ B = "docs/log/2026-11-30.md (benchmarks/results/2026-11-30/loop_gpu_8b_inplace.j
 # The bench suite, one NVIDIA H200, `jaxdecode bench` (after q, k, v became one Stream-K kernel per layer);
 # the summary line of each file gives its end time and read ceiling.
 S = (
-    "docs/log/2026-11-30.md 08:57 UTC (benchmarks/results/2026-11-30/bench_gpu_8b_stream_k.jsonl, "
-    "read ceiling 4330 GB/s)"
+    "benchmarks/results/2026-11-30/bench_gpu_8b_stream_k.jsonl (read ceiling 4330 GB/s; docs/log/2026-11-30.md, "
+    "the suite with q·k·v in one Stream-K launch)"
 )
 SQ = (
-    "docs/log/2026-11-30.md 08:58 UTC (benchmarks/results/2026-11-30/bench_gpu_qwen_stream_k.jsonl, "
-    "read ceiling 4348 GB/s)"
+    "benchmarks/results/2026-11-30/bench_gpu_qwen_stream_k.jsonl (read ceiling 4348 GB/s; docs/log/2026-11-30.md, "
+    "the suite with q·k·v in one Stream-K launch)"
 )
 # A newer suite run of the engine (fewer glue kernels per layer): the in-place ("ours") rows. The unrolled
 # rows (H200_ROWS) stay on the run above (S, SQ).
-SI = "docs/log/2026-11-30.md 10:35 UTC (benchmarks/results/2026-11-30/bench_gpu_8b.jsonl, read ceiling 4440 GB/s)"
-SIQ = "docs/log/2026-11-30.md 10:36 UTC (benchmarks/results/2026-11-30/bench_gpu_qwen.jsonl, read ceiling 4383 GB/s)"
+SI = (
+    "benchmarks/results/2026-11-30/bench_gpu_8b.jsonl (read ceiling 4440 GB/s; docs/log/2026-11-30.md, "
+    "fewer glue kernels per layer)"
+)
+SIQ = (
+    "benchmarks/results/2026-11-30/bench_gpu_qwen.jsonl (read ceiling 4383 GB/s; docs/log/2026-11-30.md, "
+    "fewer glue kernels per layer)"
+)
 # Earlier bench runs, since overwritten in those files (kept as CONFLICTS alternatives only).
-SQ_OLD = "docs/log/2026-11-30.md 06:05 run (a bench_gpu_qwen.jsonl since overwritten)"
-SQ2_OLD = "docs/log/2026-11-30.md 06:12 run (a bench_gpu_qwen.jsonl since overwritten)"
+SQ_OLD = (
+    "docs/log/2026-11-30.md, the suite with the KV cache in place: Qwen2.5-7B's first run "
+    "(a bench_gpu_qwen.jsonl since overwritten)"
+)
+SQ2_OLD = (
+    "docs/log/2026-11-30.md, the suite with the KV cache in place: Qwen2.5-7B's second run, no GEMV on "
+    "looped shapes (a bench_gpu_qwen.jsonl since overwritten)"
+)
 TPS = "docs/log/2026-11-30.md (benchmarks/results/2026-11-30/tp_gpu_psum.json)"
 TPS2 = (
-    "docs/log/2026-11-30.md 12:52 UTC, the current build (benchmarks/results/2026-11-30/tp1_tp2_gpu.json: "
-    "the mean of two best-of-3 runs of 64 steps)"
+    "benchmarks/results/2026-11-30/tp1_tp2_gpu.json (the mean of two best-of-3 runs of 64 steps; "
+    "docs/log/2026-11-30.md, tensor parallel on the current build)"
 )
-TPS3 = "docs/log/2026-11-30.md 14:30 UTC, the current build (benchmarks/results/2026-11-30/tp_gpu_70b.json)"
+TPS3 = "benchmarks/results/2026-11-30/tp_gpu_70b.json (docs/log/2026-11-30.md, tensor parallel on the current build)"
 TPS4 = (
-    "docs/log/2026-11-30.md 15:09-15:11 UTC, TP2 with the peer-to-peer all-reduce kernel "
-    "(benchmarks/results/2026-11-30/tp_decode_allreduce_kernel.json, allreduce_kernel_gpu.py in git history)"
+    "TP2 with the peer-to-peer all-reduce kernel (benchmarks/results/2026-11-30/tp_decode_allreduce_kernel.json, "
+    "allreduce_kernel_gpu.py in git history; docs/log/2026-11-30.md, a one-shot all-reduce kernel)"
 )
 TPS5 = (
-    "docs/log/2026-11-30.md 16:40-16:41 UTC, TP2 with the all-reduce kernel doing the residual add "
+    "TP2 with the all-reduce kernel doing the residual add "
     "(benchmarks/results/2026-11-30/tp_decode_residual.json, "
     "allreduce_kernel_gpu.py --decode-only --batch1 --70b, in git history)"
 )
 TPS6 = (
-    "docs/log/2026-11-30.md 19:31-19:33 UTC, with the q·k·v epilogue kernel (kernels/qkv_rope) "
+    "with the q·k·v epilogue kernel (kernels/qkv_rope) "
     "(benchmarks/results/2026-11-30/tp_decode_qkv_rope.json, "
     "allreduce_kernel_gpu.py --decode-only --batch1 --70b --70b-kernel-only, in git history)"
 )
 TPS7 = (
-    "docs/log/2026-11-30.md 21:33 UTC, with the MLP's RMSNorm in the TP2 all-reduce kernel "
+    "with the MLP's RMSNorm in the TP2 all-reduce kernel "
     "(benchmarks/results/2026-11-30/tp_decode.json, "
     "allreduce_kernel_gpu.py --decode-only --batch1 --70b --70b-kernel-only, in git history)"
 )
@@ -514,8 +526,8 @@ CONFLICTS = {
             "ms/step, Qwen2.5-7B looped in place, b1 ctx 1k",
             4.556,
             "the engine as it is now (q, k, v one Stream-K kernel per layer, GEMV only on profiled shapes, "
-            "fewer glue kernels per layer); the 08:58 row is the previous build (more glue kernels), the "
-            "06:12 row the same dispatch with q, k, v as three kernels, the 06:05 row took GEMV for every "
+            "fewer glue kernels per layer); the others are superseded: the previous build (more glue kernels), the "
+            "same dispatch with q, k, v as three kernels, and GEMV taken for every "
             "looped projection from the nearest Llama shape",
             (
                 (4.556, SIQ),

@@ -265,7 +265,7 @@ H200 = GPUSpec(
         ("nvlink_bw", "NVIDIA H200 SXM: NVLink 900 GB/s bidirectional"),
         (
             "allreduce_latency_s",
-            "measured 2026-11-30 on 2 NVLink H200s: one jitted psum of [B, 4096] bf16 in a "
+            "measured on 2 NVLink H200s: one jitted psum of [B, 4096] bf16 in a "
             "chain of 100 took 16.7-22.5 us (B = 1, 8; NCCL_PROTO=LL, XLA's one-shot kernel "
             "and sync collectives did not beat it; benchmarks/results/2026-11-30/allreduce_variants.json, "
             "benchmarks/results/2026-11-30/tp_gpu_psum.json); 20 us taken",
@@ -298,7 +298,7 @@ H200 = GPUSpec(
         ),
         (
             "p2p_allreduce_s",
-            "measured 2026-11-30 16:37 UTC on 2 NVLink H200s: kernels.allreduce's barrier-free "
+            "measured on 2 NVLink H200s: kernels.allreduce's barrier-free "
             "kernel (with the residual add) inside a TP2 Llama-3.1-8B batch-1 decode step (profiler, "
             "GPU 0) runs 3.7-4.2 us after attention and 5.4-6.5 us after the MLP, where it also waits "
             "for the slower GPU (benchmarks/results/2026-11-30/tp_profile_residual.json); their mean, 5.0 us, "
