@@ -134,27 +134,32 @@ INPLACE_ROWS = (
     GPURow("ours, Qwen2.5-7B b1 ctx 1k", 4.556, "looped_inplace", 1, "test", SIQ, context=1152, model="qwen2.5-7b"),
 )
 Q8 = (
-    "benchmarks/results/2026-12-02/ab_quant_stream_8b_h200.jsonl (benchmarks/ab.py --profile, one H200, 64 steps "
-    "after a 1024-token context and a 16-token prompt: cache 1152; read ceiling 4368 GB/s)"
+    "benchmarks/results/2026-12-03/ab_quant_overlap_8b_h200.jsonl (benchmarks/ab.py, one H200, 64 steps after a "
+    "1024-token context and a 16-token prompt: cache 1152; median of 3; read ceiling 4387 GB/s)"
 )
-Q70 = "benchmarks/results/2026-12-02/ab_quant_stream_70b_h200.jsonl (int4, same harness; read ceiling 4421 GB/s)"
+Q70 = "benchmarks/results/2026-12-03/ab_quant_70b_h200.jsonl (int4, same harness; read ceiling 4503 GB/s)"
 # Our engine with quantized weights (GPU mode "looped_inplace", rdu.quantized's kernels: the Stream-K
 # quantized GEMM, q·k·v and gate + up fused into one launch each). One row fits the one quantized constant
 # (`quant_glue_kernel_s`); the other quantized rows are held out, and so are the bf16 rows of the same run
 # (the in-place constants were fitted on an earlier run, INPLACE_ROWS). The rows of the previous quantized
-# kernel (one launch per projection: ab_quant_8b_h200.jsonl, ab_quant_70b_h200.jsonl, and the
-# "quant_dot:impl=mosaic swiglu=off qkv_attend=off" rows of the files above) describe a path the engine no
-# longer runs and are not used.
+# kernel (one launch per projection: PREVIOUS_KERNEL_FILES, and the "quant_dot:impl=mosaic swiglu=off
+# qkv_attend=off" rows of ab_quant_stream_8b_h200.jsonl) describe a path the engine no longer runs and are not
+# used; nor are the Stream-K kernel's rows before its int4 codes were relabelled and its stages overlapped
+# (ab_quant_stream_8b_h200.jsonl, ab_quant_stream_70b_h200.jsonl).
+PREVIOUS_KERNEL_FILES = (
+    "benchmarks/results/2026-12-02/ab_quant_8b_h200.jsonl",
+    "benchmarks/results/2026-12-02/ab_quant_70b_h200.jsonl",
+)
 QUANT_ROWS = (
     GPURow(
-        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.5908, "looped_inplace", 1, "train", Q8, context=1152, quantize="int4"
+        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.5035, "looped_inplace", 1, "train", Q8, context=1152, quantize="int4"
     ),
-    GPURow("ours int8, Llama-3.1-8B b1 ctx 1k", 3.2772, "looped_inplace", 1, "test", Q8, context=1152, quantize="int8"),
-    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 2.9902, "looped_inplace", 8, "test", Q8, context=1152, quantize="int4"),
-    GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 3.6975, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
+    GPURow("ours int8, Llama-3.1-8B b1 ctx 1k", 3.104, "looped_inplace", 1, "test", Q8, context=1152, quantize="int8"),
+    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 2.9121, "looped_inplace", 8, "test", Q8, context=1152, quantize="int4"),
+    GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 3.4976, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
     GPURow(
         "ours int4, Llama-3.1-70B b1 ctx 1k",
-        16.0295,
+        14.0348,
         "looped_inplace",
         1,
         "test",
@@ -163,8 +168,8 @@ QUANT_ROWS = (
         model="llama-3.1-70b",
         quantize="int4",
     ),
-    GPURow("ours bf16 (same run), Llama-3.1-8B b1 ctx 1k", 4.5276, "looped_inplace", 1, "test", Q8, context=1152),
-    GPURow("ours bf16 (same run), Llama-3.1-8B b8 ctx 1k", 4.9008, "looped_inplace", 8, "test", Q8, context=1152),
+    GPURow("ours bf16 (same run), Llama-3.1-8B b1 ctx 1k", 4.4235, "looped_inplace", 1, "test", Q8, context=1152),
+    GPURow("ours bf16 (same run), Llama-3.1-8B b8 ctx 1k", 4.8175, "looped_inplace", 8, "test", Q8, context=1152),
 )
 # The same engine under tensor parallelism (shard_map, 2 psums per layer), cache 1088 (1024 + 16 + 32
 # rounded up to 64), 32 steps: reported with the fitted constants, never fitted.
