@@ -8,8 +8,8 @@ write fails the comparison. The synchronized kernel and the combine run on both 
 an empty split, T = 1 and 3, a stack of layers at a traced index, batch > 1, refilled TMA stages), at
 model shapes compiled on a Hopper GPU, and lowered for CUDA on any host.
 
-tests/conftest.py pins JAX to the CPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu (the
-interpret-mode subclass needs the CPU device for its callbacks).
+tests/conftest.py pins JAX to the CPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu. Interpreted
+tests run on the CPU device there too (`_interpret_on_the_cpu`).
 """
 
 import dataclasses
@@ -76,11 +76,23 @@ def _inputs(shape, seed=0, lengths=None):
     return q, k, v, jnp.asarray(lengths, jnp.int32)
 
 
-def _close(out, ref, dtype=jnp.bfloat16):
+def _close(out, ref, dtype=jnp.bfloat16, what=""):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     diff = np.abs(out - ref)
-    assert np.isfinite(out).all(), "non-finite output"
-    assert diff.max() <= ATOL[dtype], f"max diff {diff.max():.3g}, mean {diff.mean():.3g}"
+    assert np.isfinite(out).all(), f"{what} non-finite output"
+    assert diff.max() <= ATOL[dtype], f"{what} max diff {diff.max():.3g}, mean {diff.mean():.3g}"
+
+
+@pytest.fixture(autouse=True)
+def _interpret_on_the_cpu(request):
+    """Interpreted tests (the Interpret subclass, module-level tests) run on the CPU device, also on a GPU
+    host: there Mosaic GPU's interpreter, run from a GPU executable, loses its shared state between its
+    io_callbacks (AssertionError in gpu_callbacks._get_shared_memory)."""
+    if not getattr(request.instance, "INTERPRET", True):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 class TestDecodeAttention:
@@ -193,13 +205,19 @@ class TestDecodeAttention:
     def test_stacked_cache_reads_the_given_layer(self, name, backend):
         """k, v as stacks [L, B, S, K, H] plus a traced layer index (the looped decode's form) give
         exactly the result of that layer's cache alone, for the synchronized kernel and (Triton only)
-        the async one, in a scan over the layers."""
+        the async one, called per layer and in a scan over the layers (the messages name which failed)."""
         shape = TEST_ATTENTION[name]
         layers = [_inputs(shape, seed=10 + i) for i in range(3)]
         q, lengths = layers[0][0], layers[0][3]
         k_stack = jnp.stack([k for _, k, _, _ in layers])  # [L, B, S, K, H]
         v_stack = jnp.stack([v for _, _, v, _ in layers])
         kw = dict(interpret=self.INTERPRET, poison=True, backend=self._backend(backend))
+        refs = [da.decode_attention_reference(q, k, v, lengths)[0] for _, k, v, _ in layers]
+        for i, ref in enumerate(refs):
+            sync = da.decode_attention_sync(
+                q, k_stack, v_stack, lengths, layer=jnp.int32(i), block_sizes=_blocks(backend), **kw
+            )
+            _close(sync, ref, what=f"layer {i} alone:")
 
         def body(_, i):
             sync = da.decode_attention_sync(q, k_stack, v_stack, lengths, layer=i, block_sizes=_blocks(backend), **kw)
@@ -209,10 +227,9 @@ class TestDecodeAttention:
             return None, (sync, out, info.recomputed.any())
 
         _, (sync, out, recomputed) = jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))
-        for i, (_, k, v, _) in enumerate(layers):
-            ref, _ = da.decode_attention_reference(q, k, v, lengths)
-            _close(sync[i], ref)
-            _close(out[i], ref)
+        for i, ref in enumerate(refs):
+            _close(sync[i], ref, what=f"layer {i} in the scan:")
+            _close(out[i], ref, what=f"layer {i} in the scan (async):")
         assert not recomputed.any()
 
     @pytest.mark.parametrize(

@@ -21,11 +21,12 @@ WGMMA_TRANSPOSED layout, so no SMEM is held for the output. CUDA-core math on WG
 the alternative; it cannot broadcast a row statistic along H (strided broadcasts add leading axes
 only), and on the tensor cores the two products cost little next to the cache read.
 
-The K and V blocks come in by TMA from views `k.at[layer, b, pl.ds(pos, bk), h]` of the whole stack,
-in `stages` buffers (at most the split's blocks): the next blocks' copies are in flight while a block
-is computed. One warpgroup issues the copies and computes; at H = 128 and R = 16 a program holds about
-40 KB of SMEM with one stage (a split of one block, the usual case at batch 1), so five share an SM
-like the Triton kernel's programs, and 72 KB with two.
+The K and V blocks come in by TMA from views `k.at[layer·B + b, pl.ds(pos, bk), pl.ds(h·H, H)]` of the
+whole stack seen as [L·B, S, K·H] (a free reshape; the Triton kernel's row layer·B + b), in `stages`
+buffers (at most the split's blocks): the next blocks' copies are in flight while a block is computed.
+One warpgroup issues the copies and computes; at H = 128 and R = 16 a program holds about 40 KB of
+SMEM with one stage (a split of one block, the usual case at batch 1), so five share an SM like the
+Triton kernel's programs, and 72 KB with two.
 
 The combine takes the same transposed view: a program (b, h, 64 head-dim columns) loads each
 split's accᵀ [64, C] (C = the G output rows rounded up to 8) from GMEM in the WGMMA_TRANSPOSED
@@ -95,8 +96,8 @@ def sync_body(
     length,
     # GMEM
     q_gmem,  # [B, K, R, H]
-    k_gmem,  # [L, B, S, K, H]
-    v_gmem,  # [L, B, S, K, H]
+    k_gmem,  # [L·B, S, K·H]
+    v_gmem,  # [L·B, S, K·H]
     acc_gmem,  # [B, K, splits, R, H] f32 out: Σ e^{x-m}·v
     l_gmem,  # [B, K, splits, R] f32 out: Σ e^{x-m}
     m_gmem,  # [B, K, splits, R] f32 out: the running max (natural log units)
@@ -118,11 +119,15 @@ def sync_body(
     split_start = split * split_len
     n = jnp.clip(lax.div(length - split_start + block_k - 1, block_k), 0, split_len // block_k)
 
+    row, cols = layer * q_gmem.shape[0] + b, pl.ds(h * head_dim, head_dim)
+
     def fetch(i, slot):
-        # A view of the stack at (layer, b, block i, h): the TMA reads layer `layer` in place.
+        # A view of the stack at (layer·B + b, block i, head h's columns): the TMA reads layer `layer` in
+        # place. One squeezed index keeps the tiled copy at rank 5, so Mosaic GPU need not collapse the
+        # squeezed (layer, b, h) into one overlapping-stride TMA dimension, which [L, B, S, K, H] needs.
         pos = pl.ds(split_start + i * block_k, block_k)
-        plgpu.copy_gmem_to_smem(k_gmem.at[layer, b, pos, h], k_smem.at[slot], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_gmem.at[layer, b, pos, h], v_smem.at[slot], v_bars.at[slot])
+        plgpu.copy_gmem_to_smem(k_gmem.at[row, pos, cols], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_gmem.at[row, pos, cols], v_smem.at[slot], v_bars.at[slot])
 
     plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem, q_bar)
     for i in range(stages):
@@ -267,6 +272,7 @@ def sync_call(
     if not q_rows.dtype == k.dtype == v.dtype or jnp.dtype(k.dtype) not in map(jnp.dtype, (jnp.bfloat16, jnp.float16)):
         raise ValueError(f"the mosaic attention takes bf16 or f16 q and cache alike; got {q_rows.dtype}, {k.dtype}")
     stages = max(1, min(stages, split_len // block_k))
+    k, v = (x.reshape(-1, cache_len, kv_heads * head_dim) for x in (k, v))  # [L·B, S, K·H]: a free reshape
     scratch = sync_scratch(rows, head_dim, block_k, stages, k.dtype)
     body = functools.partial(
         sync_body, block_k=block_k, split_len=split_len, sm_scale=sm_scale, group=group, tokens=tokens
