@@ -2,6 +2,7 @@
 no weight row copied out before a dot, fallbacks, and the engine's in-place mode."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -286,6 +287,45 @@ def test_engine_inplace_cache_never_copied(tiny, batch, write):
     body = _scan_body(_decode_step_jaxpr(_inplace_engine(tiny, attention=lambda *args: None)))
     names = [e.primitive.name for e in body.eqns]
     assert names.count("scatter") == 2 and "dynamic_update_slice" not in names
+
+
+# What may produce an array of the stacked cache's shape in a compiled step that never copies it: the
+# arguments, the while loop's tuple plumbing, and writes into a row (alone or as a fusion's root).
+_IN_PLACE_PRODUCERS = {"parameter", "get-tuple-element", "tuple", "bitcast", "dynamic-update-slice", "scatter"}
+
+
+def _stack_producers(engine, batch: int, cache_len: int = 64) -> list[str]:
+    """The ops of the compiled, cache-donating decode step whose result has the [L, B, S, K, H] shape of a
+    cache stack; a fusion is named by its root op ("fusion:copy")."""
+    cache = engine.new_cache(batch, cache_len)
+    tokens = positions = jnp.zeros((batch, 1), jnp.int32)
+    step = jax.jit(engine.forward, donate_argnums=3).lower(engine.params, tokens, positions, cache)
+    text = step.compile().as_text()
+    roots = {  # computation name -> the op of its ROOT
+        m.group(1): re.search(r"ROOT %\S+ = .*? ([a-z-]+)\(", m.group(2)).group(1)
+        for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)\n\}", text, re.S | re.M)
+    }
+    cfg = engine.cfg
+    shape = re.escape(f"f32[{cfg.n_layers},{batch},{cache_len},{cfg.n_kv_heads},{cfg.head_dim}]")
+    ops = []
+    for m in re.finditer(r"^\s+(?:ROOT )?%\S+ = " + shape + r"\{[0-9,]+\} ([a-z-]+)\((.*)$", text, re.M):
+        fused = re.search(r"calls=%([\w.\-]+)", m.group(2)) if m.group(1) == "fusion" else None
+        ops.append(roots[fused.group(1)] if fused else m.group(1))
+    return ops
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's HLO; on a GPU the kernel hooks run")
+@pytest.mark.parametrize("batch", [1, 2])  # one sequence writes with a dynamic_update_slice, more with a scatter
+def test_cpu_inplace_step_writes_the_stacked_cache_in_place(tiny, batch):
+    """On the CPU (every kernel hook declines) the in-place mode still carries the cache stacks through
+    the scan and writes the new rows into them: XLA makes no new [L, B, S, K, H] buffer per step. The
+    slice mode's scan instead returns the caches as a stacked output, a fresh zero-filled buffer each
+    step that is then copied; this contrast shows the check sees such copies (docs/looping.md)."""
+    inplace = _stack_producers(Engine(tiny, loop_mode="inplace"), batch)
+    assert set(inplace) <= _IN_PLACE_PRODUCERS, inplace
+    assert {"dynamic-update-slice", "scatter"} & set(inplace)
+    sliced = _stack_producers(Engine(tiny, loop_mode="slice"), batch)
+    assert {"broadcast", "copy"} <= set(sliced), sliced
 
 
 def test_residual_norm_hooks_per_config(tiny):
