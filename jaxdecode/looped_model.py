@@ -20,8 +20,10 @@ written in place) and the attention kernel (`kernel_qkv_attend`); prefill, with 
 through the `qkv` and `sdpa` hooks and the in-place cache writes inside that call). Quantized weights
 take the same shape through `kernels.quant_gemm_stream`: q·k·v in one launch into the same epilogue
 and attention, gate/up in one launch, every other quantized dot one launch (`kernel_quant_dot`).
-`default_loop_mode()` (the engine's default) picks "inplace" on a GPU and "slice" elsewhere: on a
-GPU XLA copies each W[i] out of its stack before a dot.
+`default_loop_mode()` (the engine's default) is "inplace" on every backend: on a GPU XLA copies each
+W[i] out of its stack before a dot; on the CPU the hooks decline, and the cache carried through the
+scan is still written in place, where "slice" copies each layer's cache rows out and back every step
+(docs/log/2026-12-03-cpu-loop.md).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ LOOP_MODES = ("slice", "whole", "inplace")
 
 
 def default_loop_mode() -> str:
-    return "inplace" if jax.default_backend() == "gpu" else "slice"
+    return "inplace"
 
 
 def _spec(x) -> jax.ShapeDtypeStruct:

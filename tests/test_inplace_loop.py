@@ -394,8 +394,8 @@ def test_engine_split_residual_norm_equals_unrolled(tiny):
     assert calls.count("residual_rms_norm") == 1 and calls.count("rms_norm") == 1, calls
 
 
-def test_engine_default_mode_is_per_backend(tiny):
-    assert Engine(tiny).loop_mode == ("inplace" if jax.default_backend() == "gpu" else "slice")
+def test_engine_default_mode_is_inplace(tiny):
+    assert Engine(tiny).loop_mode == "inplace"
     graphdef, params = nnx.split(tiny)
     with pytest.raises(ValueError, match="loop mode"):
         LoopedForward(graphdef, params, tiny.cfg, mode="copy")
