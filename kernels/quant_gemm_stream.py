@@ -154,63 +154,53 @@ def permute_pairs(a):
     return jnp.moveaxis(a.reshape(*lead, k // 32, 4, 2, 4), -1, -3).reshape(*lead, k)
 
 
-def _biased_as_wgmma(codes, dtype):
-    """codes [rows, cw] int4 (WGMMA_UPCAST_4X layout) as bias + codes in `dtype` (WGMMA_LAYOUT), their
-    columns in `permute_pairs` order."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+def _as_wgmma(a, dtype, pair):
+    """a [rows, cw] (WGMMA_UPCAST_4X layout) as a [rows, cw] `dtype` WGMMA_LAYOUT array whose register for
+    8-column tile t of 32-column block b is `pair(a's register of block b, t)`: a vector of two `dtype`s.
+    The upcast and wgmma layouts agree on rows, so each register maps to one source register."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    half = BIAS_BITS[jnp.dtype(dtype)][1]
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-        return_type=plgpu.ShapeDtypeStruct(codes.shape, dtype, plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct(a.shape, dtype, plgpu.Layout.WGMMA),
     )
     def convert(_, arr):
-        i32 = ir.IntegerType.get_signless(32)
-        old = arr.registers  # [1, cw/32, 1, 1, 2, 1, ...] of vector<8 x i4>: (32-column block, row half)
-        new = np.empty(fa.WGMMA_LAYOUT.registers_shape(arr.shape), dtype=object)  # (8-column tile, half)
-        assert old.shape[1] * 4 == new.shape[1] and old.shape[4] == new.shape[4] == 2, (old.shape, new.shape)
-        pair_type = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype))
-        words = {}
-        for idx in np.ndindex(new.shape):
-            src = list(idx)
-            src[1], t = divmod(idx[1], 4)
-            src = tuple(src)
-            if src not in words:
-                words[src] = mgpu_utils.bitcast(old[src], i32)
-            word = words[src] if t == 0 else arith.shrui(words[src], mgpu_utils.c(4 * t, i32))
-            # (word & 0x000F000F) ^ the bias's half-words: codes t and t + 4 as bias + code
-            pair = llvm.inline_asm(i32, [word], f"lop3.b32 $0, $1, 0x000F000F, {half * 0x10001:#x}, 0x6a;", "=r,r")
-            new[idx] = mgpu_utils.bitcast(pair, pair_type)
-        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-
-    return convert(codes)
-
-
-def _relabel_as_wgmma(w):
-    """w [rows, cw] (16-bit, WGMMA_UPCAST_4X layout) as a WGMMA_LAYOUT array of the same registers."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-        return_type=plgpu.ShapeDtypeStruct(w.shape, w.dtype, plgpu.Layout.WGMMA),
-    )
-    def relabel(_, arr):
         old = arr.registers  # [1, cw/32, 1, 1, 2, 1, ...] of vector<8>: (32-column block, row half)
         new = np.empty(fa.WGMMA_LAYOUT.registers_shape(arr.shape), dtype=object)  # (8-column tile, half)
         assert old.shape[1] * 4 == new.shape[1] and old.shape[4] == new.shape[4] == 2, (old.shape, new.shape)
         for idx in np.ndindex(new.shape):
             src = list(idx)
-            src[1] = idx[1] // 4
-            t = idx[1] % 4
-            new[idx] = mgpu_utils.vector_slice(old[tuple(src)], slice(2 * t, 2 * t + 2))
+            src[1], t = divmod(idx[1], 4)
+            new[idx] = pair(old[tuple(src)], t)
         return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return relabel(w)
+    return convert(a)
+
+
+def _biased_as_wgmma(codes, dtype):
+    """codes [rows, cw] int4 (WGMMA_UPCAST_4X layout) as bias + codes in `dtype` (WGMMA_LAYOUT), their
+    columns in `permute_pairs` order."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    half = BIAS_BITS[jnp.dtype(dtype)][1]
+
+    def pair(reg, t):  # (word >> 4t & 0x000F000F) ^ the bias's half-words: codes t and t + 4 as bias + code
+        i32 = ir.IntegerType.get_signless(32)
+        word = mgpu_utils.bitcast(reg, i32)
+        word = word if t == 0 else arith.shrui(word, mgpu_utils.c(4 * t, i32))
+        out = llvm.inline_asm(i32, [word], f"lop3.b32 $0, $1, 0x000F000F, {half * 0x10001:#x}, 0x6a;", "=r,r")
+        return mgpu_utils.bitcast(out, ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(dtype)))
+
+    return _as_wgmma(codes, dtype, pair)
+
+
+def _relabel_as_wgmma(w):
+    """w [rows, cw] (16-bit, WGMMA_UPCAST_4X layout) as a WGMMA_LAYOUT array of the same registers."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    return _as_wgmma(w, w.dtype, lambda reg, t: mgpu_utils.vector_slice(reg, slice(2 * t, 2 * t + 2)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def kernel_qkv_attend(
     group = heads // kv_heads
     rows = decode_attention.query_rows(1, group)  # q's rows per kv head, as the attention kernel lays them out
     if quantized:
-        bits = jnp.iinfo(quantized[0][0].stack.dtype).bits
+        bits = quant_gemm.code_bits(quantized[0][0].stack.dtype)
         tile_n = quant_blocks.resolved(widths, len(quantized[0]) == 3, bits).tile_n
         fits = (impl is not None or on_hopper_16bit(x)) and batch <= quant_gemm_stream.MAX_M
         if partials is None:
