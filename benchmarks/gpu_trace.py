@@ -103,12 +103,27 @@ def top_by_name(kernels: list, n: int = 16) -> list:
     return [[name, count, round(total, 1)] for name, (count, total) in ranked]
 
 
+def _head_launches(evs: list, durations: dict, steps: int) -> tuple[list[int], str]:
+    """(indices in evs, name) of the LM head's launches: the launches within half of the longest one's time,
+    where they number one or two a step (a quantized model's head shares its kernel's name with every
+    projection's, so the name alone cannot tell it); else the kernel name with the longest median time
+    among those launched one or two times a step."""
+    longest = max(e["dur"] for e in evs)
+    starts = [i for i, e in enumerate(evs) if e["dur"] >= 0.5 * longest]
+    if steps <= len(starts) <= 2 * steps + 4 and len({evs[i]["name"][:60] for i in starts}) == 1:
+        return starts, evs[starts[0]]["name"][:60]
+    head = max(
+        durations, key=lambda n: float(np.median(durations[n])) if steps <= len(durations[n]) <= 2 * steps + 4 else 0.0
+    )
+    return [i for i, e in enumerate(evs) if e["name"][:60] == head], head
+
+
 def step_profile(events, steps: int) -> dict:
     """One decode step of a traced chunk of `steps` steps, read on GPU 0's busiest stream.
 
-    A step runs from one launch of the LM head (the longest kernel that runs about once a step) to the
-    next. Returned: its kernels, their summed time, the step's span, the median and mean idle time
-    between two kernels inside a layer (gaps under BOUNDARY_US) and the count and median of the
+    A step runs from one launch of the LM head (the longest kernel, once a step) to the next. Returned:
+    its kernels, their summed time, the step's span, the median and mean idle time between two kernels
+    inside a layer (gaps under BOUNDARY_US) and the count and median of the
     longer ones (CUDA-graph boundaries), the longest kernels by name, 20 kernels from the middle of the
     step ([name, µs, idle µs before]), and the kernels per stream (a command buffer whose DAG has
     parallel branches runs them on several streams). The profiler adds time at graph boundaries, so
@@ -125,10 +140,7 @@ def step_profile(events, steps: int) -> dict:
     durations = defaultdict(list)
     for e in evs:
         durations[e["name"][:60]].append(e["dur"])
-    head = max(
-        durations, key=lambda n: float(np.median(durations[n])) if steps <= len(durations[n]) <= 2 * steps + 4 else 0.0
-    )
-    starts = [i for i, e in enumerate(evs) if e["name"][:60] == head]
+    starts, head = _head_launches(evs, durations, steps)
     if len(starts) < 2:
         raise ValueError(f"the LM head kernel {head!r} ran {len(starts)} time(s): no whole step in the trace")
     before = evs[starts[-2]]
