@@ -11,6 +11,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Mixed dtypes must be cast on purpose: an implicit int/float or f32/bf16 promotion raises.
@@ -27,3 +28,16 @@ def pytest_xdist_auto_num_workers(config):
     if os.environ["JAX_PLATFORMS"] != "cpu":
         return 0
     return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
+
+@pytest.fixture
+def interpret_on_the_cpu(request):
+    """For the kernel tests' modules (`pytestmark = pytest.mark.usefixtures("interpret_on_the_cpu")`): tests
+    of a class whose INTERPRET is True, and module-level tests, run on the CPU device, also on a GPU host.
+    There Mosaic GPU's interpreter, run from a GPU executable, loses its shared state between its
+    io_callbacks (AssertionError in gpu_callbacks._get_shared_memory)."""
+    if not getattr(request.instance, "INTERPRET", True):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -9,7 +9,7 @@ an empty split, T = 1 and 3, a stack of layers at a traced index, batch > 1, ref
 model shapes compiled on a Hopper GPU, and lowered for CUDA on any host.
 
 tests/conftest.py pins JAX to the CPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu. Interpreted
-tests run on the CPU device there too (`_interpret_on_the_cpu`).
+tests run on the CPU device there too (conftest's `interpret_on_the_cpu`).
 """
 
 import dataclasses
@@ -83,16 +83,7 @@ def _close(out, ref, dtype=jnp.bfloat16, what=""):
     assert diff.max() <= ATOL[dtype], f"{what} max diff {diff.max():.3g}, mean {diff.mean():.3g}"
 
 
-@pytest.fixture(autouse=True)
-def _interpret_on_the_cpu(request):
-    """Interpreted tests (the Interpret subclass, module-level tests) run on the CPU device, also on a GPU
-    host: there Mosaic GPU's interpreter, run from a GPU executable, loses its shared state between its
-    io_callbacks (AssertionError in gpu_callbacks._get_shared_memory)."""
-    if not getattr(request.instance, "INTERPRET", True):
-        yield
-        return
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("interpret_on_the_cpu")
 
 
 class TestDecodeAttention:

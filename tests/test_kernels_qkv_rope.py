@@ -17,6 +17,7 @@ from kernels.flat_gemm_stream import StreamBlocks, combine, schedule
 from kernels.qkv_rope import fits, qkv_rope_write, qkv_rope_write_reference
 
 ON_GPU = jax.default_backend() == "gpu" and any(k in jax.devices()[0].device_kind for k in ("H100", "H200"))
+pytestmark = pytest.mark.usefixtures("interpret_on_the_cpu")  # conftest: interpreted tests on the CPU device
 # (B, N, K, H, tile_n, layers, S): Llama-3.1-8B TP1 and TP2 at batch 1, Qwen2.5-7B's 7:1 group at batch 8, SmolLM2's
 # head 64 with 3 kv heads, MHA
 SHAPES = [

@@ -20,6 +20,7 @@ from kernels import quant_gemm as qg
 from kernels import quant_gemm_stream as qs
 
 ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_kind for s in ("H100", "H200"))
+pytestmark = pytest.mark.usefixtures("interpret_on_the_cpu")  # conftest: interpreted tests on the CPU device
 # Outputs are ~N(0, 1). Both round an f32 sum to bf16 once (one ulp apart at most: 2^-7 relative) and add
 # in different orders (f32: far below that). scale_in="w" also rounds every scaled (and offset) weight to
 # bf16 (2^-9 relative, up to three roundings) before the f32 sum: at most ~2^-8·σ(y) per output, which
