@@ -47,6 +47,7 @@ class Case:
     k: int = 512
     feed: str = "biased"  # int4_feed
     overlap: bool = False
+    chains: int = 1
     x: str = "bfloat16"
 
     @property
@@ -66,6 +67,12 @@ CASES = {
     "int4_g128_m1_relabel_offsets": Case(1, "int4", 128, offsets=True, feed="relabel"),
     "int4_g128_m1_relabel_w_overlap": Case(1, "int4", 128, offsets=True, feed="relabel", scale_in="w", overlap=True),
     "int8_g32_m8_w_overlap_4wg": Case(8, "int8", 32, ns=(256, 512), scale_in="w", overlap=True, wgs=4),
+    # two accumulators: 64-column pieces of each group of 128 alternate between them
+    "int4_g128_m1_relabel_w_two_chains": Case(
+        1, "int4", 128, offsets=True, feed="relabel", scale_in="w", overlap=True, chains=2
+    ),
+    # three accumulators over groups of 32 (one piece each, 4 a unit): the chains get 2, 1 and 1 a unit
+    "int8_g32_m5_w_three_chains": Case(5, "int8", 32, ns=(256, 128), scale_in="w", chains=3),
     "int4_g128_m5_shuffle": Case(5, "int4", 128, feed="shuffle"),
     "int4_g128_m5_f16x_offsets": Case(5, "int4", 128, offsets=True, scales="float16", x="float16"),
     "int8_perchannel_m8_w_f16": Case(8, "int8", 0, scales="float16", scale_in="w"),
@@ -124,6 +131,7 @@ class TestQuantStream:
             scale_in=case.scale_in,
             int4_feed=case.feed,
             overlap=case.overlap,
+            chains=case.chains,
         )
         return cfg if self.INTERPRET else dataclasses.replace(cfg, ctas=None)
 
@@ -169,10 +177,11 @@ class TestQuantStreamInterpret(TestQuantStream):
         assert sched.slots > 1  # the grid has tiles shared by CTAs
 
 
-LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K
-    "int4_g128_offsets_m1_qkv": (1, jnp.int4, 128, True, (4096, 1024, 1024)),
-    "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336)),
-    "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,)),
+LOWERED = {  # name: (M, codes dtype, G, offsets, N_i..., accumulator chains): Llama-3.1-8B's K
+    "int4_g128_offsets_m1_qkv": (1, jnp.int4, 128, True, (4096, 1024, 1024), 1),
+    "int4_g128_offsets_m1_four_chains": (1, jnp.int4, 128, True, (14336,), 4),
+    "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336), 1),
+    "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,), 1),
 }
 
 
@@ -180,7 +189,7 @@ LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K
 def test_lowers_for_hopper_on_any_host(name):
     """Lowering for CUDA runs Mosaic GPU's layout, tiling and swizzle checks (which the interpreter
     skips) down to its LLVM-level module, on a machine without a GPU."""
-    m, cdt, group, offsets, ns = LOWERED[name]
+    m, cdt, group, offsets, ns, chains = LOWERED[name]
     k, layers = 4096, 4
     weights = tuple(
         (
@@ -191,7 +200,7 @@ def test_lowers_for_hopper_on_any_host(name):
         for n in ns
     )
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    cfg = qs.QuantStreamBlocks(ctas=132)
+    cfg = qs.QuantStreamBlocks(ctas=132, chains=chains)
     op = lambda x, w, l: qs.quant_gemm_multi(x, w, l, group=group, block_sizes=cfg)
     text = jax.jit(op).trace(x, weights, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in text.as_text()
@@ -206,6 +215,7 @@ def test_lowers_for_hopper_on_any_host(name):
         dict(scale_in="x"),
         dict(wgs=5),
         dict(scale_in="w", feed="biased"),  # the bias comes off the accumulators only
+        dict(chains=0),
     ],
 )
 def test_untiled_shapes_are_refused_with_the_numbers(bad):
@@ -214,7 +224,11 @@ def test_untiled_shapes_are_refused_with_the_numbers(bad):
     if bad.get("mixed"):
         weights = (weights[0], (weights[1][0], weights[1][1], None))
     cfg = dataclasses.replace(
-        BLOCKS, scale_in=bad.get("scale_in", "acc"), compute_wgs=bad.get("wgs", 2), int4_feed=bad.get("feed", "relabel")
+        BLOCKS,
+        scale_in=bad.get("scale_in", "acc"),
+        compute_wgs=bad.get("wgs", 2),
+        int4_feed=bad.get("feed", "relabel"),
+        chains=bad.get("chains", 1),
     )
     with pytest.raises(qs.UntiledShape, match=r"\d|scale_in"):
         qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg, interpret=True)
