@@ -114,8 +114,9 @@ class _Layout:
         return min(self.group, self.tile_k)
 
     @property
-    def piece(self) -> int:  # columns of one wgmma under "w": one 128-byte swizzle tile of x, or a group
-        return min(self.gw, 64)
+    def piece(self) -> int:  # columns of one wgmma under "w": a group, or over several chains one 128-byte
+        # swizzle tile of x (a group if narrower); one chain keeps one wgmma call per group
+        return min(self.gw, 64) if self.chains > 1 else self.gw
 
     @property
     def group_rows(self) -> int:  # rows of the scales (offsets) tile: the unit's groups, or its one group
