@@ -44,6 +44,7 @@ class Hook(enum.StrEnum):
     QKV = "qkv"  # the three projections
     SDPA = "sdpa"  # attention over the cache
     SWIGLU = "swiglu"  # the MLP's gate and up projections and their product
+    MLP = "mlp"  # the whole MLP block: gate, up, their product and down
     RMS_NORM = "rms_norm"  # a norm
     RESIDUAL_NORM = "residual_norm"  # the attention's residual add and the MLP's input norm
     QUANT_DOT = "quant_dot"  # x times a quantized weight (codes and scales)
@@ -293,6 +294,13 @@ def swiglu(x: Array, w_gate: Array, w_up: Array) -> Array:
     return jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up)
 
 
+@jax.jit
+def mlp(x: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
+    """swiglu(x, w_gate, w_up) @ w_down: x [..., D], w_down [F, D] -> [..., D]. One module-level jitted
+    function, so the in-place looped decode can run the block as one kernel (`kernel_mlp`)."""
+    return matmul(swiglu(x, w_gate, w_up), w_down)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -304,7 +312,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:  # x: [B, T, D]
         # [B, T, D]; under tensor parallelism a partial sum over this device's F/tp columns
-        return self.down_proj(swiglu(x, self.gate_proj.weight.get_value(), self.up_proj.weight.get_value()))
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        return mlp(x, *(w.weight.get_value() for w in weights))
 
 
 class DecoderLayer(nnx.Module):

@@ -205,7 +205,7 @@ def _biased_as_wgmma(codes, dtype):
     return _as_wgmma(codes, dtype, pair)
 
 
-def _relabel_as_wgmma(w):
+def relabel_as_wgmma(w):
     """w [rows, cw] (16-bit, WGMMA_UPCAST_4X layout) as a WGMMA_LAYOUT array of the same registers."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -281,7 +281,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             if lay.feed == "biased":
                 chunk = permute_pairs(chunk.astype(cdt)) + lay.bias if interpret else _biased_as_wgmma(chunk, cdt)
             elif lay.feed == "relabel":
-                chunk = permute_k(chunk.astype(cdt)) if interpret else _relabel_as_wgmma(chunk.astype(cdt))
+                chunk = permute_k(chunk.astype(cdt)) if interpret else relabel_as_wgmma(chunk.astype(cdt))
             else:
                 chunk = plgpu.layout_cast(chunk, plgpu.Layout.WGMMA).astype(cdt)
             for gj in range(cw // gw):

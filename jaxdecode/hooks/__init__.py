@@ -3,7 +3,7 @@
 returns its outputs, or None to leave the call as written (XLA then runs it, and the hooks of the calls
 inside it still apply).
 
-  gemm.py       dense and quantized dots, SwiGLU's pair, q·k·v
+  gemm.py       dense and quantized dots, SwiGLU's pair, q·k·v, a quantized MLP block
   attention.py  q·k·v, epilogue and attention for one new token; attention over the cache
   norms.py      RMSNorm; the attention block's end on one device and under tensor parallelism
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 from jaxdecode.config import TensorParallel
 from jaxdecode.hooks.attention import MAX_ATTENTION_ROWS, kernel_attention, kernel_qkv_attend
-from jaxdecode.hooks.gemm import kernel_qkv, kernel_quant_dot, kernel_stacked_dot, kernel_swiglu
+from jaxdecode.hooks.gemm import kernel_mlp, kernel_qkv, kernel_quant_dot, kernel_stacked_dot, kernel_swiglu
 from jaxdecode.hooks.norms import kernel_residual_norm, kernel_rms_norm, kernel_split_residual_norm
 from jaxdecode.model import Hook
 
@@ -31,6 +31,7 @@ KERNEL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType(
         Hook.QKV_ATTEND: kernel_qkv_attend,
         Hook.RESIDUAL_NORM: kernel_split_residual_norm,
         Hook.QUANT_DOT: kernel_quant_dot,
+        Hook.MLP: kernel_mlp,
     }
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "TP_CALLS",
     "kernel_attention",
     "kernel_calls",
+    "kernel_mlp",
     "kernel_qkv",
     "kernel_qkv_attend",
     "kernel_quant_dot",

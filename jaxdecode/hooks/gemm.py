@@ -1,5 +1,6 @@
 """The in-place loop's GEMM hooks: dense and quantized `x @ W[i]` read in place from the stacks, the
-SwiGLU pair in one launch, q·k·v in one launch (`kernels.flat_gemm*`, `kernels.quant_gemm_stream`)."""
+SwiGLU pair in one launch, q·k·v in one launch (`kernels.flat_gemm*`, `kernels.quant_gemm_stream`), a
+quantized MLP block in one launch (`kernels.quant_mlp`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from jaxdecode.looping import SplitSum, StackedRef, outside_runs
-from kernels import dispatch, flat_gemm, flat_gemm_stream, quant_gemm, quant_gemm_stream
+from kernels import dispatch, flat_gemm, flat_gemm_stream, quant_gemm, quant_gemm_stream, quant_mlp
 
 
 def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes, weights: int = 1) -> str | None:
@@ -169,6 +170,47 @@ def _kernel_swiglu_quantized(x, weights, impl, blocks, interpret):
     except quant_gemm.UntiledShape:
         return None
     return [(jax.nn.silu(g) * u).astype(x.dtype).reshape(*lead, g.shape[-1])]
+
+
+def kernel_mlp(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    *quantized,
+    impl: str | None = None,
+    block_sizes: quant_mlp.QuantMLPBlocks = quant_mlp.QuantMLPBlocks(),
+    interpret: bool = False,
+):
+    """The `stacked_calls["mlp"]` hook: `model.mlp` of quantized stacks as one `kernels.quant_mlp` launch
+    (gate and up, SwiGLU and down; down's weights stream while gate/up drains). The weights arrive as
+    their leaves (codes, scales(, offsets) each, `StackedRef`s). Returns [y [..., D]], or None (the call
+    then runs as written, through the `swiglu` and `quant_dot` hooks): dense weights, off Hopper or
+    activations that are not 16-bit (impl None), or what the kernel does not take (M > 8, widths that
+    are not whole tiles, mixed formats). impl "fused" (tests, with `interpret=True`) skips the device
+    and dtype checks."""
+    if not quantized or impl not in (None, "fused"):
+        return None
+    weights = quantized_weights((w_gate, w_up, w_down, *quantized), 3)
+    if weights is None or (impl is None and not on_hopper_16bit(x)):
+        return None
+    *lead, d = x.shape
+    m = int(np.prod(lead, dtype=int))
+    group = d // weights[0][1].stack.shape[1]
+    if weights[2][0].stack.shape[-1] // weights[2][1].stack.shape[1] != group:
+        return None  # down's group size differs from gate's and up's
+    try:
+        y = quant_mlp.quant_mlp(
+            x.reshape(m, d),
+            *stream_arrays(weights),
+            weights[0][0].index,
+            group=group,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )  # [M, D]
+    except quant_gemm.UntiledShape:
+        return None
+    return [y.reshape(*lead, d)]
 
 
 def _stream_blocks(block_sizes: flat_gemm.BlockSizes) -> flat_gemm_stream.StreamBlocks:
