@@ -26,6 +26,10 @@ fixups only. The conversion, scaling and wgmma of a unit are `quant_gemm_stream`
 (codes scaled and offset in x's dtype, one f32 accumulator); gate and up take `gate_up_feed`'s int4
 feed, down the natural-order "shuffle" feed (h is made here, in its natural order).
 
+Status: exact in Mosaic GPU's interpreter (one CTA) and lowered at the 8B shapes, but not yet right
+compiled: on an H200 one CTA gave the exact result in one call of three (a race) and M = 8 or 132 CTAs hung
+(docs/log/2026-12-03.md). No engine path runs it by default.
+
 Mosaic GPU's interpreter has no GMEM semaphores: interpreted, the kernel runs on one CTA, whose own
 fixups are awaited through a shared-memory barrier instead (the data flow and arithmetic are the same;
 the cross-CTA signalling is tested compiled, on Hopper).
@@ -88,13 +92,17 @@ class _Layout:
 
 
 def _fence_proxy_async_global():
-    """Order this thread's generic-proxy accesses of global memory (semaphores) with its TMA copies."""
+    """Order this thread's TMA copies (the async proxy) with its generic accesses of global memory, and
+    those before what follows (`pl.semaphore_signal` signals relaxed, then fences: the fence must come
+    first for the data to be visible before the signal)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
 
     @plgpu.inline_mgpu()
     def fence(_):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True)
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global; fence.acq_rel.gpu;", "", has_side_effects=True
+        )
 
     fence()
 
