@@ -216,6 +216,25 @@ def relabel_as_wgmma(w):
 # The kernel
 
 
+def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, slot, barrier):
+    """Start the TMA copies of one unit into stage `slot`, arriving on barrier[slot]: tile t of `weights`
+    (each (codes [L, N, K], scales(, offsets) [L, K/G, N]) with `tiles` tiles, laid out tile-major), k-step
+    kk; its codes [tile_n, tile_k] and the rows of its groups' scales (offsets). tile = (tile_n, tile_k, G)."""
+    tile_n, tile_k, group = tile
+    group_rows = max(1, tile_k // group)
+    ksl = pl.ds(kk * tile_k, tile_k)
+    gsl = pl.ds(lax.div(kk * tile_k, group * group_rows) * group_rows, group_rows)
+    starts = np.cumsum((0,) + tuple(tiles))  # first tile of each weight
+    for i, (codes, *groupwise) in enumerate(weights):
+
+        @pl.when((t >= starts[i]) & (t < starts[i + 1]))
+        def _():
+            nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
+            plgpu.copy_gmem_to_smem(codes.at[layer, nsl, ksl], c_smem.at[slot], barrier.at[slot])
+            for a, a_smem in zip(groupwise, group_smems):
+                plgpu.copy_gmem_to_smem(a.at[layer, gsl, nsl], a_smem.at[slot], barrier.at[slot])
+
+
 def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     """One CTA: units [c·R, min((c+1)·R, U)); warpgroups 0..wgs-1 compute, warpgroup `wgs` copies."""
     sched = lay.sched
@@ -232,7 +251,6 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # a [rows] vector along the accumulator's rows
     ks, per_cta = sched.ks, sched.units_per_cta
-    starts = np.cumsum((0,) + sched.tiles)  # first tile of each weight
     layer = layer_gmem[0]
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
@@ -243,18 +261,12 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     def issue(j, slot):  # copy the unit of local step j into `slot`
         u = u0 + j
         t, kk = lax.div(u, ks), lax.rem(u, ks)
-        ksl = pl.ds(kk * tile_k, tile_k)
-        gsl = pl.ds(lax.div(kk * tile_k, lay.group * lay.group_rows) * lay.group_rows, lay.group_rows)
         # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
-        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, m8), ksl], x_smem.at[slot], produced.at[slot])
-        for i, (codes, *groupwise) in enumerate(weights):
-
-            @pl.when((t >= starts[i]) & (t < starts[i + 1]))
-            def _():
-                nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
-                plgpu.copy_gmem_to_smem(codes.at[layer, nsl, ksl], c_smem.at[slot], produced.at[slot])
-                for a, a_smem in zip(groupwise, group_smems):
-                    plgpu.copy_gmem_to_smem(a.at[layer, gsl, nsl], a_smem.at[slot], produced.at[slot])
+        src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
+        plgpu.copy_gmem_to_smem(src, x_smem.at[slot], produced.at[slot])
+        copy_weight_unit(
+            weights, sched.tiles, t, kk, layer, (tile_n, tile_k, lay.group), c_smem, group_smems, slot, produced
+        )
 
     @pl.when(wg == wgs)
     def _memory():

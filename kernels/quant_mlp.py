@@ -42,14 +42,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
 from kernels.quant_gemm import UntiledShape, code_bits, load_width, smem_transforms
-from kernels.quant_gemm_stream import permute_k, relabel_as_wgmma
+from kernels.quant_gemm_stream import copy_weight_unit, permute_k, relabel_as_wgmma
 
 MAX_M = 8  # batch rows: the fixup's h block [M8, 64] per warpgroup and the accumulators are sized for M8 = 8
 TILE = 256  # weight rows per unit (4 compute warpgroups of 64) = h's columns per fixup block = down's tile_k
@@ -83,12 +82,8 @@ class _Layout:
     interpret: bool
 
     @property
-    def gw(self) -> int:
+    def gw(self) -> int:  # columns of one group inside a unit
         return min(self.group, TILE)
-
-    @property
-    def group_rows(self) -> int:
-        return max(1, TILE // self.group)
 
 
 def _fence_proxy_async_global():
@@ -161,17 +156,8 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
 
         def copy(phase_weights, sched, u):
             t, kk = lax.div(u, sched.ks), lax.rem(u, sched.ks)
-            ksl = pl.ds(kk * TILE, TILE)
-            gsl = pl.ds(lax.div(kk * TILE, lay.group * lay.group_rows) * lay.group_rows, lay.group_rows)
-            starts = np.cumsum((0,) + sched.tiles)
-            for i, (codes, *groupwise) in enumerate(phase_weights):
-
-                @pl.when((t >= starts[i]) & (t < starts[i + 1]))
-                def _():
-                    nsl = pl.ds((t - starts[i]) * TILE, TILE)
-                    plgpu.copy_gmem_to_smem(codes.at[layer, nsl, ksl], c_smem.at[slot], produced.at[slot])
-                    for arr, arr_smem in zip(groupwise, group_smems):
-                        plgpu.copy_gmem_to_smem(arr.at[layer, gsl, nsl], arr_smem.at[slot], produced.at[slot])
+            tile = (TILE, TILE, lay.group)
+            copy_weight_unit(phase_weights, sched.tiles, t, kk, layer, tile, c_smem, group_smems, slot, produced)
 
         @pl.when(in_a)
         def _():
