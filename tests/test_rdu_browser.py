@@ -86,9 +86,11 @@ def test_70b_report_renders_and_expands(browser, page_70b, tmp_path):
     call("qkv_attend").first.click()  # projections, RoPE and attend: a nested call, collapsed
     after = page.evaluate(VISIBLE_OPS)
     assert after > before + 50  # one layer body: matmuls, attention, mlp, RoPE, the norms' ops
-    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 2  # o, down; q, k, v in qkv, gate, up in swiglu
+    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 1  # o; q, k, v in qkv; gate, up, down in mlp
     call("qkv").first.click()  # inside qkv_attend, collapsed
-    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 5  # + q, k, v
+    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 4  # + q, k, v
+    call("mlp").first.click()  # the MLP block: a nested call, collapsed
+    assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 5  # + down; gate and up in its swiglu
     loop.locator("details.call > summary").filter(has_text="swiglu").first.click()
     assert loop.locator("g.op.k-matmul").evaluate_all(visible) == 7  # + gate and up
 
