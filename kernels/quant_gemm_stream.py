@@ -216,6 +216,18 @@ def relabel_as_wgmma(w):
 # The kernel
 
 
+def wgmma_register_lhs(acc, w, x_t, stage=None):
+    """acc += w · x_t with w in registers; `stage` (this warpgroup's [rows, ≥ cols] SMEM tile) in interpret
+    mode, where Mosaic GPU's interpreter takes wgmma's LHS from SMEM only: w goes through it."""
+    if stage is None:
+        plgpu.wgmma(acc, w, x_t)
+        return
+    stage = stage.at[:, pl.ds(0, w.shape[1])]
+    stage[...] = w
+    plgpu.commit_smem()
+    plgpu.wgmma(acc, stage, x_t)
+
+
 def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, slot, barrier):
     """Start the TMA copies of one unit into stage `slot`, arriving on barrier[slot]: tile t of `weights`
     (each (codes [L, N, K], scales(, offsets) [L, K/G, N]) with `tiles` tiles, laid out tile-major), k-step
@@ -305,13 +317,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         return plgpu.load(group_smems[which].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(dtype)
 
     def mma(acc, w, x_t):
-        if interpret:  # the interpreter's wgmma takes its LHS from SMEM
-            stage = w_stage.at[wg, :, pl.ds(0, w.shape[1])]
-            stage[...] = w
-            plgpu.commit_smem()
-            plgpu.wgmma(acc, stage, x_t)
-        else:
-            plgpu.wgmma(acc, w, x_t)
+        wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if interpret else None)
 
     def unit_w(j, accs, r0, j_start):  # accs [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)

@@ -28,7 +28,7 @@ feed, down the natural-order "shuffle" feed (h is made here, in its natural orde
 
 Status: exact in Mosaic GPU's interpreter (one CTA) and lowered at the 8B shapes, but not yet right
 compiled: on an H200 one CTA gave the exact result in one call of three (a race) and M = 8 or 132 CTAs hung
-(docs/log/2026-12-03.md). No engine path runs it by default.
+(docs/kernels.md). No engine path runs it by default.
 
 Mosaic GPU's interpreter has no GMEM semaphores: interpreted, the kernel runs on one CTA, whose own
 fixups are awaited through a shared-memory barrier instead (the data flow and arithmetic are the same;
@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
 from kernels.quant_gemm import UntiledShape, code_bits, load_width, smem_transforms
-from kernels.quant_gemm_stream import copy_weight_unit, permute_k, relabel_as_wgmma
+from kernels.quant_gemm_stream import copy_weight_unit, permute_k, relabel_as_wgmma, wgmma_register_lhs
 
 MAX_M = 8  # batch rows: the fixup's h block [M8, 64] per warpgroup and the accumulators are sized for M8 = 8
 TILE = 256  # weight rows per unit (4 compute warpgroups of 64) = h's columns per fixup block = down's tile_k
@@ -232,15 +232,6 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
         grow = g if lay.group <= TILE else 0
         return plgpu.load(group_smems[which].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(cdt)
 
-    def mma(acc, w, x_t):
-        if lay.interpret:  # the interpreter's wgmma takes its LHS from SMEM
-            stage = w_stage.at[wg, :, pl.ds(0, w.shape[1])]
-            stage[...] = w
-            plgpu.commit_smem()
-            plgpu.wgmma(acc, stage, x_t)
-        else:
-            plgpu.wgmma(acc, w, x_t)
-
     def unit(s, acc, r0, feed, first):  # acc += this warpgroup's rows of step s; releases step s - 1's stage
         slot = lax.rem(s, stages)
         plgpu.barrier_wait(produced.at[slot])
@@ -254,16 +245,17 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
                 w = w * lax.broadcast_in_dim(per_row(slot, r0, g, 0), w.shape, [0])
                 if offsets:
                     w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1), w.shape, [0])
-                mma(acc, w, x_smem.at[slot, :, pl.ds(g * gw, gw)].T)
+                x_t = x_smem.at[slot, :, pl.ds(g * gw, gw)].T
+                wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if lay.interpret else None)
         plgpu.wgmma_wait(TILE // gw)  # this unit's wgmmas may run on; step s - 1's are done
 
         @pl.when(s > first)
         def _():
             plgpu.barrier_arrive(consumed.at[lax.rem(s - 1, stages)])
 
-    def phase(sched, feed, u0, u1, n, s_base, acc_gmem, flush_count):
+    def phase(sched, feed, u0, u1, n, s_base, acc_gmem):
         """This warpgroup's segments of one phase (steps s_base + 0..n-1): each tile's partial sum added
-        into acc_gmem by a TMA reduce-add. Returns the count of flushes (for the double buffer)."""
+        into acc_gmem by a TMA reduce-add. Returns the count of segments."""
         r0 = wg * rows
         t_first = lax.div(u0, sched.ks)
         segments = lax.select(n > 0, lax.div(u1 - 1, sched.ks) - t_first + 1, 0)
@@ -293,8 +285,8 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
             )
             return j_end, flushes + 1
 
-        _, flushes = lax.fori_loop(0, segments, segment, (jnp.int32(0), flush_count))
-        return segments, flushes
+        lax.fori_loop(0, segments, segment, (jnp.int32(0), jnp.int32(0)))  # (first step, flushes so far)
+        return segments
 
     def signal_tiles(sched, u0, segments):  # every reduce-add of this warpgroup is complete: count them
         t_first = lax.div(u0, sched.ks)
@@ -332,7 +324,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
 
     @pl.when(wg < WGS)
     def _compute():
-        seg_a, flushes = phase(a, lay.a.feed, a0, a1, na, 0, gu_acc, jnp.int32(0))
+        seg_a = phase(a, lay.a.feed, a0, a1, na, 0, gu_acc)
         plgpu.wait_smem_to_gmem(0)  # the gate/up reduce-adds are complete (and out_smem is free)
         if not lay.interpret:
             _fence_proxy_async_global()
@@ -341,7 +333,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
         lax.fori_loop(0, lax.max(blocks, 0), lambda i, carry: (fixup(c + i * lay.ctas), carry)[1], None)
         if lay.interpret:
             plgpu.barrier_arrive(fixed.at[0])
-        phase(b, lay.b.feed, b0, b1, nb, na, y_acc, jnp.int32(0))
+        phase(b, lay.b.feed, b0, b1, nb, na, y_acc)
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -352,7 +344,8 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
 def _check(x, gate, up, down, group: int, cfg: QuantMLPBlocks) -> None:
     m, d = x.shape
     for name, w in (("gate", gate), ("up", up), ("down", down)):
-        quant_gemm.check_shapes(x if name != "down" else jnp.zeros((m, w[0].shape[-1]), x.dtype), *w, group, None)
+        h = jax.ShapeDtypeStruct((m, w[0].shape[-1]), x.dtype)  # down's input: only its shape is read
+        quant_gemm.check_shapes(x if name != "down" else h, *w, group, None)
     kinds = {tuple(None if a is None else a.dtype for a in w) for w in (gate, up, down)}
     if len(kinds) != 1:
         raise UntiledShape(f"gate, up and down must share their codes', scales' and offsets' dtypes, got {kinds}")

@@ -35,7 +35,7 @@ KERNEL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType(
 )
 
 # Built, not yet on: `kernel_mlp` (the quantized MLP block as one launch) races and hangs compiled on an
-# H200 (docs/log/2026-12-03.md); `kernel_calls(overrides={Hook.MLP: kernel_mlp})` runs it.
+# H200 (docs/kernels.md, "The quantized MLP as one kernel"); `kernel_calls(overrides={Hook.MLP: kernel_mlp})` runs it.
 
 # Under tensor parallelism these replace the one-device hooks of the same name, and `kernel_calls` binds
 # whatever hook sits at these names to the mesh axis and the all-reduce (keywords `axis`, `allreduce_impl`).
