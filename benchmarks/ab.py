@@ -14,6 +14,7 @@ A variant is words separated by spaces:
   allreduce=psum|kernel      under tp > 1: XLA's psum, or the engine's all-reduce kernel (the default)
   quantize=int8|int4         the projections quantized (`model.quantize_weights`, groups of 128), a copy
   HOOK=off                   turns a kernel hook off (HOOK: a `jaxdecode.model.Hook` value, e.g. qkv_attend)
+  HOOK=on                    turns on a hook that is off by default (`hooks.OPTIONAL_CALLS`, e.g. mlp)
   HOOK:KW=V                  the default hook with keyword KW set, e.g. rms_norm:num_warps=8
   HOOK:KW.FIELD=V            a field of a block-size keyword, e.g. sdpa:block_sizes.num_warps=2 or
                              qkv_attend:attention_blocks.num_splits=4
@@ -76,7 +77,7 @@ from jaxdecode.bench.command import parse_ints  # noqa: E402
 from jaxdecode.bench.report import device_name  # noqa: E402
 from jaxdecode.cost import decode_cost  # noqa: E402
 from jaxdecode.decode import Engine, default_dtype  # noqa: E402
-from jaxdecode.hooks import KERNEL_CALLS, TP_CALLS, kernel_stacked_dot  # noqa: E402
+from jaxdecode.hooks import KERNEL_CALLS, OPTIONAL_CALLS, TP_CALLS, kernel_stacked_dot  # noqa: E402
 from jaxdecode.loading import load_model  # noqa: E402
 from jaxdecode.looped_model import default_loop_mode  # noqa: E402
 from jaxdecode.model import Hook, quantize_weights  # noqa: E402
@@ -107,7 +108,7 @@ class Variant:
 
     def engine_hooks(self) -> dict | None:
         """The `hooks=` argument of the engine: the overrides, or None for the default table."""
-        table = {**KERNEL_CALLS, **TP_CALLS} if self.tp > 1 else KERNEL_CALLS
+        table = {**OPTIONAL_CALLS, **KERNEL_CALLS, **(TP_CALLS if self.tp > 1 else {})}
         hooks = {
             Hook(name): None if kws is None else with_keywords(table[Hook(name)], kws)
             for name, kws in self.hooks.items()
@@ -193,7 +194,7 @@ def parse_variant(spec: str) -> Variant:
     tp = next((w.partition("=")[2] for w in words if w.startswith("tp=")), "1")
     if not tp.isdigit() or int(tp) < 1:
         raise ValueError(f"variant {spec!r}: tp takes a positive integer, got {tp!r}")
-    table = {**KERNEL_CALLS, **TP_CALLS} if int(tp) > 1 else KERNEL_CALLS
+    table = {**OPTIONAL_CALLS, **KERNEL_CALLS, **(TP_CALLS if int(tp) > 1 else {})}
     for word in words:
         head, eq, value = word.partition("=")
         name, colon, rest = word.partition(":")
@@ -216,6 +217,8 @@ def parse_variant(spec: str) -> Variant:
             if kw["hooks"].get(head):
                 raise ValueError(f"variant {spec!r}: {head} is both off and set")
             kw["hooks"][head] = None
+        elif head in (h.value for h in OPTIONAL_CALLS) and value == "on" and not colon:
+            kw["hooks"].setdefault(head, {})
         elif colon and name in hookable:
             if name in kw["hooks"] and kw["hooks"][name] is None:
                 raise ValueError(f"variant {spec!r}: {name} is both off and set")
@@ -228,7 +231,7 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(
                 f"variant {spec!r}: cannot read {word!r}; words: base, unrolled, loop_mode={'|'.join(LOOP_MODES)}, "
                 f"tp=N, allreduce={'|'.join(ALLREDUCE)}, quantize={'|'.join(QUANTIZE_FORMATS)}, "
-                f"HOOK=off, HOOK:KW=V, HOOK:KW.FIELD=V (HOOK: "
+                f"HOOK=off, HOOK=on, HOOK:KW=V, HOOK:KW.FIELD=V (HOOK: "
                 f"{', '.join(hookable)}), env:NAME=V, xla:FLAG=V"
             )
     v = Variant(spec, **kw)

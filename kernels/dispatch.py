@@ -34,6 +34,7 @@ FORMS = ("plain", "looped")
 GEMM_IMPLS = ("gemv", "mosaic", "stream", "triton", "xla")
 ATTENTION_IMPLS = ("async", "sync", "xla")
 GEMV_MAX_M = 1  # the gemv kernel takes one row (flat_gemm impl="gemv")
+PALLAS_TRITON = ("gemv", "triton")  # deprecated in jax 0.11: kept for the plain form, never chosen in the loop
 MOSAIC_MAX_M = 256  # wgmma N side of the Mosaic kernel
 
 
@@ -168,6 +169,10 @@ def choose_gemm(
     shape = f"[N, K]=[{n}, {k}]" if exact else f"nearest profiled [N, K]=[{e.n}, {e.k}] ({e.op})"
     points = f"M1={e.m1}, M2={e.m2 if e.m2 is not None else 'none'}"
     tail = f"{form} {shape}, {points} on {table.device_kind} ({where})"
+    if looped and (m < e.m1 and m <= GEMV_MAX_M or e.flat_impl == "triton"):
+        # The decode path takes no Pallas-Triton kernel (deprecated): the Stream-K kernel instead,
+        # which measured equal to the GEMV end to end at batch 1 (BENCHMARKS.md).
+        return Choice("stream", f"M={m}: the loop takes no Pallas-Triton kernel, Stream-K instead: {tail}")
     if m < e.m1 and m <= GEMV_MAX_M:
         if exact:
             return Choice(e.gemv_impl, f"M={m} < M1: {tail}")

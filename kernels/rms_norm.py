@@ -268,8 +268,13 @@ def _residual_call(
     )(*inputs)
 
 
+def mosaic_fits(dim: int) -> bool:
+    """Whether the Mosaic GPU kernels take rows of D: a multiple of 64 (a row over one warpgroup)."""
+    return dim % 64 == 0
+
+
 def _mosaic_checks(dim: int, *, interpret: bool, poison: bool):
-    if dim % 64:
+    if not mosaic_fits(dim):
         raise ValueError(f"the mosaic kernels take D a multiple of 64 (a row over one warpgroup), got D={dim}")
     if poison and not interpret:
         raise ValueError(

@@ -23,7 +23,7 @@ from jaxdecode.cli import main
 from jaxdecode.config import PRESETS
 from jaxdecode.cost import decode_cost
 from jaxdecode.decode import Engine
-from jaxdecode.hooks import KERNEL_CALLS, TP_CALLS, kernel_stacked_dot
+from jaxdecode.hooks import KERNEL_CALLS, OPTIONAL_CALLS, TP_CALLS, kernel_stacked_dot
 from jaxdecode.model import Hook, init_random, load_state_dict
 from kernels.decode_attention import BlockSizes
 
@@ -271,6 +271,8 @@ def test_ab_variants_become_engine_arguments(ab):
     assert off(np.ones((1, 2)), np.ones((3, 2, 4)), 0, np.float32) is None  # the caller runs the plain dot
     tiles = ab.parse_variant("stacked_dot:block_sizes.tile_n=128").engine_stacked_dot()
     assert tiles.func is kernel_stacked_dot and tiles.keywords["block_sizes"].tile_n == 128
+    on = ab.parse_variant("quantize=int4 mlp=on mlp:block_sizes.stages=2").engine_hooks()[Hook.MLP]  # off by default
+    assert on.func is OPTIONAL_CALLS[Hook.MLP] and on.keywords["block_sizes"].stages == 2
     env = ab.parse_variant("xla:xla_gpu_enable_command_buffer= xla:xla_foo=1 env:NCCL_PROTO=LL")
     assert env.env == {"XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_foo=1", "NCCL_PROTO": "LL"}
     assert env.own_process and ab.parse_variant("base") == ab.Variant("base")

@@ -36,13 +36,14 @@ from tests.test_looping import D, L, _inputs, decoder
 RTOL = ATOL = 1e-5  # f32; the interpret-mode kernel sums K in tiles, so the order differs from XLA's dot
 TINY_BLOCKS = BlockSizes(tile_n=16, tile_k=16)  # divides every tiny-config width (48, 80, 16)
 interpret_dot = functools.partial(kernel_stacked_dot, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
-# The decode attention kernel in interpret mode; block_k 16 divides the engine's 64-aligned caches.
+# The decode attention kernel in interpret mode; block_k 16 divides the engine's 64-aligned caches. The
+# tiny configs' widths (D 48, H 16) are below Mosaic GPU's tiles: these run the Pallas-Triton backends.
 interpret_attention = functools.partial(
-    kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2), interpret=True
+    kernel_attention, impl="sync", block_sizes=AttentionBlocks(16, 2), backend="triton", interpret=True
 )
 interpret_swiglu = functools.partial(kernel_swiglu, impl="triton", block_sizes=TINY_BLOCKS, interpret=True)
-interpret_norm = functools.partial(kernel_rms_norm, impl="triton", interpret=True)
-interpret_residual_norm = functools.partial(kernel_split_residual_norm, impl="triton", interpret=True)
+interpret_norm = functools.partial(kernel_rms_norm, impl="triton", backend="triton", interpret=True)
+interpret_residual_norm = functools.partial(kernel_split_residual_norm, impl="triton", backend="triton", interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames="out_dtype")
@@ -352,14 +353,19 @@ def test_split_residual_norm_hook_declines():
     x = jnp.ones((1, 1, 256), jnp.float32)
     parts = SplitSum(jnp.ones((4, 1, 256), jnp.float32), x.shape, x.dtype)
     weight = StackedRef(jnp.ones((2, 256), jnp.float32), jnp.int32(1))
-    assert kernel_split_residual_norm(x, x, weight, 1e-5, impl="triton") is None  # block_out already summed
     assert kernel_split_residual_norm(x, parts, weight, 1e-5, jnp.zeros(4), impl="triton") is None  # comm buffers
+    narrow = StackedRef(jnp.ones((2, 48), jnp.float32), jnp.int32(1))
+    assert kernel_split_residual_norm(x[..., :48], x[..., :48], narrow, 1e-5, impl="triton") is None  # D % 64
     assert kernel_split_residual_norm(x, parts, weight.stack[1], 1e-5, impl="triton") is None  # weight not in place
     assert kernel_split_residual_norm(x, parts, weight, 1e-5) is None  # f32: no tuned kernel for it
     for backend in ("triton", "mosaic"):
         s, normed = kernel_split_residual_norm(x, parts, weight, 1e-5, impl="triton", backend=backend, interpret=True)
         np.testing.assert_allclose(s, 5.0)  # 1 + the four partials
         np.testing.assert_allclose(normed, 1.0, rtol=1e-5)  # 5 / rms(5)
+        summed = 2 * x  # o's output already summed (Stream-K): one partial
+        s, normed = kernel_split_residual_norm(x, summed, weight, 1e-5, impl="triton", backend=backend, interpret=True)
+        np.testing.assert_allclose(s, 3.0)
+        np.testing.assert_allclose(normed, 1.0, rtol=1e-5)
 
 
 def test_rms_norm_hook_backends_equal_the_model():

@@ -63,6 +63,8 @@ interpret_qkv_attend = functools.partial(
     partials=reference_partials,
     gemm_blocks=StreamBlocks(tile_n=TILE, tile_k=16),
     attention_blocks=AttentionBlocks(16, 2),
+    epilogue_backend="triton",  # the tiny configs (H 16, block_k 16) are below Mosaic GPU's tiles
+    attention_backend="triton",
     interpret=True,
 )
 
@@ -137,5 +139,6 @@ def test_hook_declines():
     assert interpret_qkv_attend(x.astype(jnp.float32), *args[1:]) is None  # dtypes differ
     assert interpret_qkv_attend(*args, gemm_blocks=StreamBlocks(tile_n=32, tile_k=16)) is None  # 16 does not tile
     assert interpret_qkv_attend(*args, attention_blocks=AttentionBlocks(48, 2)) is None  # S = 64 is not whole blocks
+    assert interpret_qkv_attend(*args, attention_backend="mosaic") is None  # H = 8: below Mosaic GPU's tiles
     with pytest.raises(ValueError, match="impl"):
         kernel_qkv_attend(*args, impl="triton")

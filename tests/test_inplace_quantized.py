@@ -76,6 +76,8 @@ def test_qkv_attend_hook_with_quantized_weights_equals_the_model():
         impl="stream",
         quant_blocks=BLOCKS,
         attention_blocks=AttentionBlocks(16, 2),
+        epilogue_backend="triton",  # the small heads here are below Mosaic GPU's tiles
+        attention_backend="triton",
         interpret=True,
     )
     assert got is not None

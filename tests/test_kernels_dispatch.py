@@ -63,13 +63,13 @@ def test_h200_choices_follow_the_measurements():
     # Looped over 32 stacked layers the table's rows put gemv first at M = 1 on [4096, 4096] and the
     # flat kernels first on [14336, 4096], and every kernel ahead of the scan at M = 8. The flat kernel
     # in loops is the Stream-K one: whole decode steps ran faster with it, where the per-shape timings
-    # had the two within the 5% margin (docs/log/2026-11-30.md).
+    # had the two within the 5% margin (docs/log/2026-11-30.md). The GEMV is Pallas-Triton, which the
+    # loop no longer takes: Stream-K below M1 too.
     looped = lambda m, n, k: dispatch.choose_gemm(m, n, k, looped=True, device=H200)
-    assert looped(1, 4096, 4096).impl == "gemv"
+    assert looped(1, 4096, 4096).impl == "stream" and "no Pallas-Triton" in looped(1, 4096, 4096).reason  # M1 = 2
     assert looped(2, 4096, 4096).impl == "stream"
     assert looped(1, 14336, 4096).impl == "stream"
-    # GEMV only on a profiled shape: the nearest entry's M1 does not carry its GEMV speed over
-    assert looped(1, 3584, 18944).impl == "stream" and "not extrapolated" in looped(1, 3584, 18944).reason
+    assert looped(1, 3584, 18944).impl == "stream"
     assert looped(128, 14336, 4096).impl == "stream"
     assert looped(300, 14336, 4096).impl == "xla"  # past the kernels' M limit (the wgmma N side)
     nearest = looped(1, 28672, 4096)  # gate+up was not measured looped: nearest is [14336, 4096]
@@ -100,6 +100,19 @@ def test_env_table_overrides_the_shipped_one(tmp_path, monkeypatch):
     assert dispatch.choose_gemm(16, 4096, 4096, device=H200).impl == "xla"
     assert dispatch.choose_gemm(8, 4096, 4096, looped=True, device=H200).impl == "xla"  # no entry
     assert dispatch.choose_attention(device=H200).impl == "async"
+
+
+def test_loop_takes_no_pallas_triton_kernel():
+    """A table's GEMV (below M1) and Triton flat kernel stay on the plain form; the loop, the decode
+    path, takes the Mosaic GPU Stream-K kernel in their place (Pallas-Triton is deprecated)."""
+    entries = [
+        dict(op="o", form=form, n=4096, k=4096, m1=2, m2=None, flat_impl="triton") for form in ("plain", "looped")
+    ]
+    table = dispatch.parse_table(dict(device_kind="NVIDIA H200", source="test", gemm=entries))
+    plain = lambda m: dispatch.choose_gemm(m, 4096, 4096, table=table).impl  # noqa: E731
+    looped = lambda m: dispatch.choose_gemm(m, 4096, 4096, looped=True, table=table)  # noqa: E731
+    assert (plain(1), plain(2)) == ("gemv", "triton")
+    assert looped(1).impl == looped(2).impl == "stream" and "no Pallas-Triton" in looped(1).reason
 
 
 @pytest.mark.parametrize(

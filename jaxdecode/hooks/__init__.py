@@ -34,8 +34,9 @@ KERNEL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType(
     }
 )
 
-# Built, not yet on: `kernel_mlp` (the quantized MLP block as one launch) races and hangs compiled on an
-# H200 (docs/kernels.md, "The quantized MLP as one kernel"); `kernel_calls(overrides={Hook.MLP: kernel_mlp})` runs it.
+# Built, not on by default: `kernel_mlp` (the quantized MLP block as one launch; docs/kernels.md, "The
+# quantized MLP as one kernel"). `kernel_calls(overrides={Hook.MLP: kernel_mlp})` runs it.
+OPTIONAL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType({Hook.MLP: kernel_mlp})
 
 # Under tensor parallelism these replace the one-device hooks of the same name, and `kernel_calls` binds
 # whatever hook sits at these names to the mesh axis and the all-reduce (keywords `axis`, `allreduce_impl`).
@@ -67,6 +68,7 @@ def kernel_calls(
 __all__ = [
     "KERNEL_CALLS",
     "MAX_ATTENTION_ROWS",
+    "OPTIONAL_CALLS",
     "TP_CALLS",
     "kernel_attention",
     "kernel_calls",

@@ -30,8 +30,8 @@ def kernel_qkv_attend(
     gemm_blocks: flat_gemm_stream.StreamBlocks = flat_gemm_stream.StreamBlocks(),
     attention_blocks: decode_attention.BlockSizes = decode_attention.BlockSizes(),
     quant_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
-    epilogue_backend: str = "triton",
-    attention_backend: str = "triton",
+    epilogue_backend: str = "mosaic",
+    attention_backend: str = "mosaic",
     interpret: bool = False,
 ):
     """The `stacked_calls["qkv_attend"]` hook: `model.qkv_attend` for one new token per sequence as three
@@ -52,8 +52,9 @@ def kernel_qkv_attend(
 
     Quantized weights arrive as their leaves (codes, scales(, offsets) each, no biases): the q·k·v GEMM
     is then `kernels.quant_gemm_stream` (`quant_blocks`), whose partials have the same layout.
-    epilogue_backend, attention_backend: the epilogue's and the attention's kernels, "triton" or "mosaic"
-    (`kernels.qkv_rope`, `kernels.decode_attention`).
+    epilogue_backend, attention_backend: the epilogue's and the attention's kernels, "mosaic" (the
+    default; shapes Mosaic GPU does not tile are declined) or "triton" (`kernels.qkv_rope`,
+    `kernels.decode_attention`).
     """
     if impl not in (None, "stream"):
         raise ValueError(f"kernel_qkv_attend impl must be None or 'stream', got {impl!r}")
@@ -94,7 +95,10 @@ def kernel_qkv_attend(
     if not fits or not qkv_rope.fits(heads, kv_heads, head_dim, tile_n, rows, impl=epilogue_backend):
         return None
     q_spec = jax.ShapeDtypeStruct((batch, 1, heads, head_dim), x.dtype)
-    if _attention_impl(q_spec, k_cache, v_cache, "sync" if impl else None, attention_blocks) != "sync":
+    if (
+        _attention_impl(q_spec, k_cache, v_cache, "sync" if impl else None, attention_blocks, attention_backend)
+        != "sync"
+    ):
         return None
     if partials is None:
         partials = functools.partial(flat_gemm_stream.stream_partials, cfg=gemm_blocks, interpret=interpret)
@@ -136,11 +140,14 @@ def kernel_qkv_attend(
 MAX_ATTENTION_ROWS = 64  # T·G query rows per kv head the attention kernel takes (decode, short chunks)
 
 
-def _attention_impl(q, k_cache, v_cache, impl: str | None, block_sizes: decode_attention.BlockSizes) -> str | None:
+def _attention_impl(
+    q, k_cache, v_cache, impl: str | None, block_sizes: decode_attention.BlockSizes, backend: str
+) -> str | None:
     """The attention kernel the hooks run on the stacked caches ("sync" or "async": `impl`, or the
     dispatch table's choice when it is None), or None where they decline: caches that are not refs
-    of stacks, prefill-sized T·G, a cache length the kernel would pad (a copy of the stack), and,
-    with impl=None, where `kernels.dispatch` says "xla" (off Hopper) or q is not 16-bit."""
+    of stacks, prefill-sized T·G, a cache length the kernel would pad (a copy of the stack), the
+    synchronized kernel on Mosaic GPU (`backend`) for a shape or dtype it does not tile, and, with
+    impl=None, where `kernels.dispatch` says "xla" (off Hopper) or q is not 16-bit."""
     if not (isinstance(k_cache, StackedRef) and isinstance(v_cache, StackedRef)):
         return None
     _, tokens, heads, _ = q.shape
@@ -151,6 +158,13 @@ def _attention_impl(q, k_cache, v_cache, impl: str | None, block_sizes: decode_a
         impl = dispatch.choose_attention().impl
         if impl == "xla" or q.dtype not in (jnp.bfloat16, jnp.float16):
             return None
+    rows = decode_attention.query_rows(tokens, heads // kv_heads)
+    if (
+        impl == "sync"
+        and backend == "mosaic"
+        and not decode_attention.mosaic_fits(q.shape[-1], q.dtype, block_sizes, rows)
+    ):
+        return None
     return impl
 
 
@@ -162,7 +176,7 @@ def kernel_attention(
     *,
     impl: str | None = None,
     block_sizes: decode_attention.BlockSizes = decode_attention.BlockSizes(),
-    backend: str = "triton",
+    backend: str = "mosaic",
     interpret: bool = False,
 ):
     """The `stacked_calls["sdpa"]` hook of the engine: `model.sdpa` with the cache read in place.
@@ -175,9 +189,9 @@ def kernel_attention(
     with `impl=None`, where `kernels.dispatch` says "xla" (off Hopper) or the dtype is not 16-bit.
     The synchronized kernel is the default choice on the H200 (kernels/tables/h200.json); "async"
     runs with φ = 0 and its exact fallback (Pallas-Triton); backend picks the synchronized kernel's,
-    "triton" or "mosaic".
+    "mosaic" (the default: it declines the shapes Mosaic GPU does not tile) or "triton".
     """
-    impl = _attention_impl(q, k_cache, v_cache, impl, block_sizes)
+    impl = _attention_impl(q, k_cache, v_cache, impl, block_sizes, backend)
     if impl is None:
         return None
     last = positions[:, -1].astype(jnp.int32)  # [B]: the kernel adds 1 (lengths), not a kernel of XLA's

@@ -29,13 +29,18 @@ def _norm_kernel_runs(dtype, impl: str | None, hook: str) -> bool:
     return True
 
 
+def _backend_fits(backend: str, dim: int) -> bool:
+    """Whether the norm kernels of `backend` take rows of D (Mosaic GPU: a multiple of 64)."""
+    return backend != "mosaic" or rms_norm.mosaic_fits(dim)
+
+
 def kernel_rms_norm(
     x,
     weight,
     eps,
     *,
     impl: str | None = None,
-    backend: str = "triton",
+    backend: str = "mosaic",
     num_warps: int = 4,
     interpret: bool = False,
 ):
@@ -43,9 +48,9 @@ def kernel_rms_norm(
     reads the layer's norm weight in place (XLA runs a norm as two kernels, a reduction and a scale).
     x [..., D]; weight a `StackedRef` of the [L, D] stack; eps the model's (a constant of the traced
     layer). Returns [y [..., D]], or None (the call is then evaluated as written): when eps is not a
-    constant, and, with `impl=None`, for inputs that are not 16-bit or on a device without a tuned
-    kernel table (like the other kernels: measured on the H200 only). backend: the kernel's, "triton" or
-    "mosaic" (`kernels.rms_norm`)."""
+    constant, for a D the backend's kernel does not take, and, with `impl=None`, for inputs that are
+    not 16-bit or on a device without a tuned kernel table (like the other kernels: measured on the
+    H200 only). backend: the kernel's, "mosaic" (the default) or "triton" (`kernels.rms_norm`)."""
     if (
         not isinstance(weight, StackedRef)
         or isinstance(x, StackedRef)
@@ -53,7 +58,7 @@ def kernel_rms_norm(
         or (eps := _constant_eps(eps)) is None
     ):
         return None
-    if not _norm_kernel_runs(x.dtype, impl, "kernel_rms_norm"):
+    if not _norm_kernel_runs(x.dtype, impl, "kernel_rms_norm") or not _backend_fits(backend, x.shape[-1]):
         return None
     y = rms_norm.rms_norm(
         x.reshape(-1, x.shape[-1]),
@@ -75,37 +80,40 @@ def kernel_split_residual_norm(
     eps,
     *comm,
     impl: str | None = None,
-    backend: str = "triton",
+    backend: str = "mosaic",
     num_warps: int = 16,
     interpret: bool = False,
 ):
     """The `stacked_calls["residual_norm"]` hook on one device: `model.residual_norm` (the attention's
     residual add, then the MLP's input norm) as one `kernels.rms_norm.residual_rms_norm` launch that
-    also adds the o projection's split-K partials (block_out a `SplitSum` from the GEMV), the norm
-    weight read in place. XLA would run the split sum and the add as one fusion, then the norm kernel.
+    also adds the o projection's split-K partials (block_out a `SplitSum` from a GEMV) or its summed
+    output, the norm weight read in place. XLA would run the split sum and the add as one fusion,
+    then the norm kernel.
 
-    x [..., D]; block_out a `SplitSum` of x's shape and dtype; weight a `StackedRef` of the [L, D]
-    stack; eps the model's (a constant); comm empty (one device). Returns [s, normed], or None (the
-    call is then evaluated as written, block_out summed first): for a block_out that is not a
-    `SplitSum`, and with `impl=None` for inputs that are not 16-bit or on a device without a tuned
+    x [..., D]; block_out a `SplitSum` or an array of x's shape and dtype; weight a `StackedRef` of the
+    [L, D] stack; eps the model's (a constant); comm empty (one device). Returns [s, normed], or None
+    (the call is then evaluated as written, block_out summed first): for a D the backend's kernel does
+    not take, and with `impl=None` for inputs that are not 16-bit or on a device without a tuned
     kernel table. `impl="triton"` (tests, with `interpret=True`) skips those two checks. backend: the
-    kernel's, "triton" or "mosaic" (`kernels.rms_norm`).
+    kernel's, "mosaic" (the default) or "triton" (`kernels.rms_norm`).
     """
     if (
-        not isinstance(block_out, SplitSum)
-        or not isinstance(weight, StackedRef)
+        not isinstance(weight, StackedRef)
         or comm
         or isinstance(x, (StackedRef, SplitSum))
+        or isinstance(block_out, StackedRef)
         or block_out.shape != x.shape
         or not x.dtype == block_out.dtype == weight.stack.dtype
         or (eps := _constant_eps(eps)) is None
     ):
         return None
-    if not _norm_kernel_runs(x.dtype, impl, "kernel_split_residual_norm"):
+    if not _norm_kernel_runs(x.dtype, impl, "kernel_split_residual_norm") or not _backend_fits(backend, x.shape[-1]):
         return None
     dim = x.shape[-1]
+    # a block_out already summed (o by Stream-K, whose combine is an XLA fusion) is one partial
+    partials = block_out.partials if isinstance(block_out, SplitSum) else block_out.reshape(1, -1, dim)
     s, normed = rms_norm.residual_rms_norm(
-        block_out.partials,
+        partials,
         x.reshape(-1, dim),
         weight.stack,
         weight.index,

@@ -22,6 +22,7 @@ from kernels.decode_attention.attention import (
 )
 from kernels.decode_attention.combine import combine_rows, combine_splits
 from kernels.decode_attention.layout import BlockSizes, query_rows
+from kernels.decode_attention.mosaic import fits as mosaic_fits
 
 __all__ = [
     "AsyncInfo",
@@ -34,5 +35,6 @@ __all__ = [
     "decode_attention_reference",
     "decode_attention_sync",
     "decode_attention_sync_rows",
+    "mosaic_fits",
     "query_rows",
 ]

@@ -49,9 +49,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels.decode_attention.layout import BlockSizes
+
 _NEG = -1e30  # finite "minus infinity" for the running max, as in the Triton kernel
 _LOG2E = math.log2(math.e)
 _COLS = 64  # head-dim columns per combine program: the WGMMA layout's 64-row tile of accᵀ
+
+
+def fits(head_dim: int, dtype, block_sizes: BlockSizes, rows: int = 16) -> bool:
+    """Whether the kernels take this shape: block_k and H multiples of 64 (wgmma's M side), R rows a
+    multiple of 8 up to 256 (its N side), a 16-bit cache."""
+    return (
+        block_sizes.block_k % 64 == 0
+        and head_dim % 64 == 0
+        and rows % 8 == 0
+        and 8 <= rows <= 256
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    )
 
 
 def _swizzled(shape, dtype):
