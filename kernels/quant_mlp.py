@@ -26,9 +26,10 @@ fixups only. The conversion, scaling and wgmma of a unit are `quant_gemm_stream`
 (codes scaled and offset in x's dtype, one f32 accumulator); gate and up take `gate_up_feed`'s int4
 feed, down the natural-order "shuffle" feed (h is made here, in its natural order).
 
-Status: exact in Mosaic GPU's interpreter (one CTA) and lowered at the 8B shapes, but not yet right
-compiled: on an H200 one CTA gave the exact result in one call of three (a race) and M = 8 or 132 CTAs hung
-(docs/kernels.md). No engine path runs it by default.
+Status: exact in Mosaic GPU's interpreter (one CTA) and compiled on an H200 on one and four CTAs (M 1
+and 8), once each group's wgmma completes before the next group's conversion (a register-operand
+hazard: docs/kernels.md). On 132 CTAs at the 8B shapes no call has returned yet: it is not in the
+default hook table.
 
 Mosaic GPU's interpreter has no GMEM semaphores: interpreted, the kernel runs on one CTA, whose own
 fixups are awaited through a shared-memory barrier instead (the data flow and arithmetic are the same;
@@ -247,7 +248,10 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
                     w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1), w.shape, [0])
                 x_t = x_smem.at[slot, :, pl.ds(g * gw, gw)].T
                 wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if lay.interpret else None)
-        plgpu.wgmma_wait(TILE // gw)  # this unit's wgmmas may run on; step s - 1's are done
+                # w's registers must outlive the wgmma: without this wait the next group's conversion
+                # corrupted rows +8 of warps 1-3 compiled (their A fragments; docs/kernels.md)
+                plgpu.wgmma_wait(0)
+        # unit s's wgmmas are done; its stage is released with the next unit's (or at the segment's end)
 
         @pl.when(s > first)
         def _():
@@ -387,6 +391,23 @@ def quant_mlp(
       h = (jax.nn.silu(g) * u).astype(x.dtype)
       quant_gemm.quant_gemm_reference(h, *down, layer, group=group)
     """
+    return quant_mlp_stages(x, gate, up, down, layer, group=group, block_sizes=block_sizes, interpret=interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("group", "block_sizes", "interpret"))
+def quant_mlp_stages(
+    x: jax.Array,  # [M, D]
+    gate,  # (codes [L, F, D], scales [L, D/G, F], offsets or None)
+    up,
+    down,  # (codes [L, D, F], scales [L, F/G, D], offsets or None)
+    layer: jax.Array | int,
+    *,
+    group: int,
+    block_sizes: QuantMLPBlocks = QuantMLPBlocks(),
+    interpret: bool = False,
+):
+    """`quant_mlp`'s launch, with what each phase left in HBM: (y [M, D] in x's dtype, h [M, F] in x's
+    dtype, gate's and up's f32 sums [M, 2F]), so a test can tell which phase went wrong."""
     gate, up, down = (tuple(w) for w in (gate, up, down))
     _check(x, gate, up, down, group, block_sizes)
     m, d = x.shape
@@ -448,5 +469,4 @@ def quant_mlp(
         gu_acc,
         y_acc,
     )
-    del h
-    return y_acc[...][:, :m].T.astype(x.dtype)
+    return y_acc[...][:, :m].T.astype(x.dtype), h[:m], gu_acc[...][:, :m].T

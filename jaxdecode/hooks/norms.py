@@ -111,7 +111,8 @@ def kernel_split_residual_norm(
         return None
     dim = x.shape[-1]
     # a block_out already summed (o by Stream-K, whose combine is an XLA fusion) is one partial
-    partials = block_out.partials if isinstance(block_out, SplitSum) else block_out.reshape(1, -1, dim)
+    summed = block_out.astype(jnp.float32).reshape(1, -1, dim) if not isinstance(block_out, SplitSum) else None
+    partials = block_out.partials if summed is None else summed  # the kernel sums f32 partials
     s, normed = rms_norm.residual_rms_norm(
         partials,
         x.reshape(-1, dim),
