@@ -156,15 +156,13 @@ def test_refuses_what_it_does_not_tile(m, d, f, codes, match):
         jax.eval_shape(lambda *a: qm.quant_mlp(*a, 0, group=128), x, gate, up, down)
 
 
-@pytest.mark.skip(
-    reason="compiled on an H200 the kernel races (one CTA) and hangs (M = 8, 132 CTAs): docs/log/2026-12-03.md"
-)
 @pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("m", [1, 8])
-def test_compiled_matches_reference(m):
+@pytest.mark.parametrize("ctas", [1, 4])  # on 132 CTAs (the 8B shapes) no call has returned yet: docs/kernels.md
+def test_compiled_matches_reference(m, ctas):
     from kernels import quant_gemm as qg
 
-    d, f, g = 4096, 14336, 128
+    d, f, g = 512, 1024, 128
     keys = jax.random.split(jax.random.key(0), 4)
     ws = []
     for key, (n, k) in zip(keys[1:], [(f, d), (f, d), (d, f)]):
@@ -175,6 +173,6 @@ def test_compiled_matches_reference(m):
     x = jax.random.normal(keys[0], (m, d), jnp.float32).astype(jnp.bfloat16)
     gv, uv = (qg.quant_gemm_reference(x, *w, 1, group=g, out_dtype=jnp.float32) for w in ws[:2])
     ref = qg.quant_gemm_reference((jax.nn.silu(gv) * uv).astype(x.dtype), *ws[2], 1, group=g, out_dtype=jnp.float32)
-    for _ in range(2):  # the global semaphores come back to zero: a second call is as right as the first
-        y = qm.quant_mlp(x, *ws, jnp.int32(1), group=g)
+    for _ in range(3):  # each call as right as the first (a race showed as 1 call of 3 right)
+        y = qm.quant_mlp(x, *ws, jnp.int32(1), group=g, block_sizes=qm.QuantMLPBlocks(ctas=ctas))
         np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref), atol=ATOL, rtol=RTOL)
