@@ -169,10 +169,11 @@ def choose_gemm(
     shape = f"[N, K]=[{n}, {k}]" if exact else f"nearest profiled [N, K]=[{e.n}, {e.k}] ({e.op})"
     points = f"M1={e.m1}, M2={e.m2 if e.m2 is not None else 'none'}"
     tail = f"{form} {shape}, {points} on {table.device_kind} ({where})"
-    if looped and (m < e.m1 and m <= GEMV_MAX_M or e.flat_impl == "triton"):
-        # The decode path takes no Pallas-Triton kernel (deprecated): the Stream-K kernel instead,
-        # which measured equal to the GEMV end to end at batch 1 (BENCHMARKS.md).
-        return Choice("stream", f"M={m}: the loop takes no Pallas-Triton kernel, Stream-K instead: {tail}")
+    if looped and (m < e.m1 and m <= GEMV_MAX_M or e.flat_impl in PALLAS_TRITON):
+        # The decode path takes no Pallas-Triton kernel (deprecated): the entry's Mosaic GPU flat kernel
+        # (Stream-K for a Triton one), which measured equal to the GEMV end to end at batch 1.
+        impl = "stream" if e.flat_impl in PALLAS_TRITON else e.flat_impl
+        return Choice(impl, f"M={m}: the loop takes no Pallas-Triton kernel, {impl} instead: {tail}")
     if m < e.m1 and m <= GEMV_MAX_M:
         if exact:
             return Choice(e.gemv_impl, f"M={m} < M1: {tail}")
