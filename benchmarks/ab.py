@@ -89,6 +89,11 @@ ALLREDUCE = ("psum", "kernel")
 STACKED_DOT = "stacked_dot"  # the dot hook, overridden like the named hooks (`Engine(stacked_dot=)`)
 
 
+def hook_table(tp: int) -> dict:
+    """The hooks a variant can name: the default ones, those off by default, under tp > 1 the TP ones."""
+    return {**OPTIONAL_CALLS, **KERNEL_CALLS, **(TP_CALLS if tp > 1 else {})}
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One engine variant, parsed from its spec (see the module docstring)."""
@@ -108,7 +113,7 @@ class Variant:
 
     def engine_hooks(self) -> dict | None:
         """The `hooks=` argument of the engine: the overrides, or None for the default table."""
-        table = {**OPTIONAL_CALLS, **KERNEL_CALLS, **(TP_CALLS if self.tp > 1 else {})}
+        table = hook_table(self.tp)
         hooks = {
             Hook(name): None if kws is None else with_keywords(table[Hook(name)], kws)
             for name, kws in self.hooks.items()
@@ -194,7 +199,7 @@ def parse_variant(spec: str) -> Variant:
     tp = next((w.partition("=")[2] for w in words if w.startswith("tp=")), "1")
     if not tp.isdigit() or int(tp) < 1:
         raise ValueError(f"variant {spec!r}: tp takes a positive integer, got {tp!r}")
-    table = {**OPTIONAL_CALLS, **KERNEL_CALLS, **(TP_CALLS if int(tp) > 1 else {})}
+    table = hook_table(int(tp))
     for word in words:
         head, eq, value = word.partition("=")
         name, colon, rest = word.partition(":")

@@ -110,9 +110,10 @@ def kernel_split_residual_norm(
     if not _norm_kernel_runs(x.dtype, impl, "kernel_split_residual_norm") or not _backend_fits(backend, x.shape[-1]):
         return None
     dim = x.shape[-1]
-    # a block_out already summed (o by Stream-K, whose combine is an XLA fusion) is one partial
-    summed = block_out.astype(jnp.float32).reshape(1, -1, dim) if not isinstance(block_out, SplitSum) else None
-    partials = block_out.partials if summed is None else summed  # the kernel sums f32 partials
+    if isinstance(block_out, SplitSum):
+        partials = block_out.partials
+    else:  # already summed (o by Stream-K, whose combine is an XLA fusion): one partial, f32 as the kernel sums
+        partials = block_out.astype(jnp.float32).reshape(1, -1, dim)
     s, normed = rms_norm.residual_rms_norm(
         partials,
         x.reshape(-1, dim),
