@@ -28,8 +28,7 @@ feed, down the natural-order "shuffle" feed (h is made here, in its natural orde
 
 Status: exact in Mosaic GPU's interpreter (one CTA) and compiled on an H200 on one and four CTAs (M 1
 and 8), once each group's wgmma completes before the next group's conversion (a register-operand
-hazard: docs/kernels.md). On 132 CTAs at the 8B shapes no call has returned yet: it is not in the
-default hook table.
+hazard: docs/kernels.md). Not in the default hook table until it measures faster than two launches.
 
 Mosaic GPU's interpreter has no GMEM semaphores: interpreted, the kernel runs on one CTA, whose own
 fixups are awaited through a shared-memory barrier instead (the data flow and arithmetic are the same;
@@ -85,6 +84,13 @@ class _Layout:
     @property
     def gw(self) -> int:  # columns of one group inside a unit
         return min(self.group, TILE)
+
+
+def fixup_count(c, blocks: int, ctas: int):
+    """How many of h's blocks CTA c finishes: blocks c, c + C, ... below `blocks` (none when c >= blocks).
+    The select matters: lax.div truncates toward zero, so (blocks - 1 - c) // C + 1 alone gives a CTA past
+    the last block one block, whose semaphores do not exist (this hung every grid wider than the blocks)."""
+    return lax.select(c < blocks, lax.div(blocks - 1 - c, ctas) + 1, 0)
 
 
 def _fence_proxy_async_global():
@@ -333,8 +339,8 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
         if not lay.interpret:
             _fence_proxy_async_global()
             signal_tiles(a, a0, seg_a)
-        blocks = lax.div(tiles_g - 1 - c, lay.ctas) + 1  # blocks c, c + C, ... below tiles_g
-        lax.fori_loop(0, lax.max(blocks, 0), lambda i, carry: (fixup(c + i * lay.ctas), carry)[1], None)
+        blocks = fixup_count(c, tiles_g, lay.ctas)
+        lax.fori_loop(0, blocks, lambda i, carry: (fixup(c + i * lay.ctas), carry)[1], None)
         if lay.interpret:
             plgpu.barrier_arrive(fixed.at[0])
         phase(b, lay.b.feed, b0, b1, nb, na, y_acc)

@@ -156,9 +156,19 @@ def test_refuses_what_it_does_not_tile(m, d, f, codes, match):
         jax.eval_shape(lambda *a: qm.quant_mlp(*a, 0, group=128), x, gate, up, down)
 
 
+@pytest.mark.parametrize("blocks,ctas", [(4, 1), (4, 4), (4, 132), (56, 132), (56, 16), (1, 3)])
+def test_fixup_blocks_are_dealt_once(blocks, ctas):
+    # CTA c finishes blocks c, c + C, ...: every block exactly once, none past the last (a CTA past the
+    # blocks once took one, which hung the compiled kernel on any grid wider than the blocks)
+    dealt = []
+    for c in range(ctas):
+        dealt += [c + i * ctas for i in range(int(qm.fixup_count(jnp.int32(c), blocks, ctas)))]
+    assert sorted(dealt) == list(range(blocks))
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize("ctas", [1, 4])  # on 132 CTAs (the 8B shapes) no call has returned yet: docs/kernels.md
+@pytest.mark.parametrize("ctas", [1, 4, 132])  # 132: more CTAs than h blocks (4) and than units of down
 def test_compiled_matches_reference(m, ctas):
     from kernels import quant_gemm as qg
 
