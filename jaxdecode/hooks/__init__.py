@@ -35,7 +35,8 @@ KERNEL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType(
 )
 
 # Built, not on by default: `kernel_mlp` (the quantized MLP block as one launch; docs/kernels.md, "The
-# quantized MLP as one kernel"). `kernel_calls(overrides={Hook.MLP: kernel_mlp})` runs it.
+# quantized MLP as one kernel": right, but slower than its two launches). `kernel_calls(overrides={Hook.MLP:
+# kernel_mlp})` runs it.
 OPTIONAL_CALLS: Mapping[Hook, Callable] = types.MappingProxyType({Hook.MLP: kernel_mlp})
 
 # Under tensor parallelism these replace the one-device hooks of the same name, and `kernel_calls` binds

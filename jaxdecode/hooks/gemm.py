@@ -182,8 +182,8 @@ def kernel_mlp(
     block_sizes: quant_mlp.QuantMLPBlocks = quant_mlp.QuantMLPBlocks(),
     interpret: bool = False,
 ):
-    """A `stacked_calls["mlp"]` hook, not in the default table (`hooks.OPTIONAL_CALLS`: compiled on an
-    H200 it is exact on a few CTAs, but no call returned on 132 at the 8B shapes): `model.mlp` of
+    """A `stacked_calls["mlp"]` hook, not in the default table (`hooks.OPTIONAL_CALLS`: right compiled on
+    an H200, but slower end to end than the two launches it replaces; docs/kernels.md): `model.mlp` of
     quantized stacks as one `kernels.quant_mlp` launch
     (gate and up, SwiGLU and down; down's weights stream while gate/up drains). The weights arrive as
     their leaves (codes, scales(, offsets) each, `StackedRef`s). Returns [y [..., D]], or None (the call
