@@ -36,3 +36,13 @@ def test_bf16_head_by_its_own_name():
     assert prof["lm_head_kernel"] == "gemm_fusion_dot"
     # the span: 7 kernels and 7 gaps of 0.5 µs from the end of one head to the end of the next
     assert prof["step_span_us"] == sum(d for _, d in step) + 7 * 0.5
+
+
+def test_a_per_layer_kernel_longer_than_the_head_is_not_the_head():
+    """A fused per-layer kernel (the MLP as one launch) can outlast the quantized head; it runs once a
+    layer, so the head is still the long launch of the projections' kernel that runs once a step."""
+    layer = [("quant_gemm_stream", 8.0), ("rms_norm", 2.0), ("quant_mlp", 150.0)]
+    step = layer * 3 + [("quant_gemm_stream", 100.0), ("argmax", 1.5)]
+    prof = gpu_trace.step_profile(_trace(step, steps=5), steps=5)
+    assert prof["lm_head_kernel"] == "quant_gemm_stream"
+    assert prof["kernels_per_step"] == len(step) == 11
