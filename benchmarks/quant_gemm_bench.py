@@ -57,9 +57,6 @@ GROUP = 128
 FUSED = {"qkv": ((4096, 1024, 1024), 4096), "gate+up": ((14336, 14336), 4096)}  # (N_i, K): one launch each
 VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K); the first is the engine's
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
-    "stream_no_overlap": qs.QuantStreamBlocks(overlap=False),  # "w": each unit's wgmmas waited on before the next
-    "stream_chains2": qs.QuantStreamBlocks(chains=2),  # "w": a unit's wgmmas over 2 (4) accumulators in turn
-    "stream_chains4": qs.QuantStreamBlocks(chains=4),
     "stream_biased_4wg": qs.QuantStreamBlocks(tile_n=256, int4_feed="biased"),  # int4: biased codes, "acc"
     "stream_biased_2wg": qs.QuantStreamBlocks(tile_n=128, int4_feed="biased"),
     "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout

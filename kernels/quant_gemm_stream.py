@@ -65,12 +65,6 @@ class QuantStreamBlocks:
     # registers are the operand as they are, `permute_k`) or "shuffle" (Mosaic GPU's conversion and its
     # relayout: two warp shuffles and a byte permute per register)
     int4_feed: str = "relabel"
-    # under scale_in="w": a unit's stage is released once the next unit's wgmmas are issued, so a warpgroup
-    # converts unit j + 1 while unit j's wgmmas run (False: released after its own wgmmas, waited on)
-    overlap: bool = True
-    # under scale_in="w": accumulators a compute warpgroup spreads a unit's wgmmas over, 64 columns (a group
-    # if narrower) each in turn, so each accumulator's dependent chain is shorter (their sum is the result)
-    chains: int = 1
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
 
@@ -104,19 +98,12 @@ class _Layout:
     wgs: int
     arrays: int  # arrays per weight: codes, scales (, offsets)
     scale_in: str
-    overlap: bool
-    chains: int
     feed: str  # "biased", "relabel" or "shuffle" for int4 codes (x permuted to match), "int8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
 
     @property
     def gw(self) -> int:  # columns of one group inside a unit
         return min(self.group, self.tile_k)
-
-    @property
-    def piece(self) -> int:  # columns of one wgmma under "w": a group, or over several chains one 128-byte
-        # swizzle tile of x (a group if narrower); one chain keeps one wgmma call per group
-        return min(self.gw, 64) if self.chains > 1 else self.gw
 
     @property
     def group_rows(self) -> int:  # rows of the scales (offsets) tile: the unit's groups, or its one group
@@ -217,15 +204,22 @@ def relabel_as_wgmma(w):
 
 
 def wgmma_register_lhs(acc, w, x_t, stage=None):
-    """acc += w · x_t with w in registers; `stage` (this warpgroup's [rows, ≥ cols] SMEM tile) in interpret
-    mode, where Mosaic GPU's interpreter takes wgmma's LHS from SMEM only: w goes through it."""
+    """acc += w · x_t with w in registers, complete on return; `stage` (this warpgroup's [rows, ≥ cols]
+    SMEM tile) in interpret mode, where Mosaic GPU's interpreter takes wgmma's LHS from SMEM only: w goes
+    through it.
+
+    Why it waits: wgmma reads a register operand asynchronously, and the compiler frees w's registers once
+    the wgmma is issued, so the next group's conversion may overwrite them before they are read. Compiled
+    on the H200 that corrupted runs of 8 rows of the result (warps 1-3's A fragments), in `quant_mlp` and
+    at the 8B shapes in this kernel's int4 path, in some calls and not others (docs/kernels.md)."""
     if stage is None:
         plgpu.wgmma(acc, w, x_t)
-        return
-    stage = stage.at[:, pl.ds(0, w.shape[1])]
-    stage[...] = w
-    plgpu.commit_smem()
-    plgpu.wgmma(acc, stage, x_t)
+    else:
+        stage = stage.at[:, pl.ds(0, w.shape[1])]
+        stage[...] = w
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, stage, x_t)
+    plgpu.wgmma_wait(0)
 
 
 def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, slot, barrier):
@@ -319,26 +313,15 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     def mma(acc, w, x_t):
         wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if interpret else None)
 
-    def unit_w(j, accs, r0, j_start):  # accs [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
+    def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)
         plgpu.barrier_wait(produced.at[slot])
-        pw = lay.piece
-        for g, w, _ in groups(slot, r0):
+        for g, w, x_t in groups(slot, r0):
             w = w * lax.broadcast_in_dim(per_row(slot, r0, g, 0, cdt), w.shape, [0])
             if offsets:
                 w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1, cdt), w.shape, [0])
-            for p in range(gw // pw):  # piece p of group g: the unit's piece g·(gw/pw) + p, to its chain
-                x_t = x_smem.at[slot, :, pl.ds(g * gw + p * pw, pw)].T  # [pw, M8]
-                mma(accs[(g * (gw // pw) + p) % len(accs)], w[:, p * pw : (p + 1) * pw], x_t)
-        if not lay.overlap:
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return
-        plgpu.wgmma_wait(tile_k // pw)  # one wgmma group per piece: unit j - 1's are done
-
-        @pl.when(j > j_start)
-        def _():
-            plgpu.barrier_arrive(consumed.at[lax.rem(j - 1, lay.stages)])
+            mma(acc, w, x_t)  # complete on return: the unit's stage is free after its last group
+        plgpu.barrier_arrive(consumed.at[slot])
 
     sums = offsets or lay.bias != 0  # a group's Σx is needed: for its offsets, or to take the bias off
 
@@ -383,14 +366,11 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 part = lax.fori_loop(j_start, j_end, lambda j, total: unit_acc(j, total, r0), zeros)  # [rows, M8]
             else:
 
-                def run(*accs):
-                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit_w(j, accs, r0, j_start), carry)[1], None)
-                    if lay.overlap:  # the segment's last unit
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[lax.rem(j_end - 1, lay.stages)])
-                    return functools.reduce(lambda a, b: a + b, [acc[...] for acc in accs])
+                def run(acc):
+                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit_w(j, acc, r0), carry)[1], None)
+                    return acc[...]
 
-                part = pl.run_scoped(run, *[plgpu.ACC((rows, m8), jnp.float32)] * lay.chains)  # [rows, M8]
+                part = pl.run_scoped(run, plgpu.ACC((rows, m8), jnp.float32))  # [rows, M8]
             buf = lax.rem(g, 2)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
             out_smem.at[wg, buf][...] = part
@@ -431,8 +411,6 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"int4_feed must be 'biased', 'relabel' or 'shuffle', got {cfg.int4_feed!r}")
     if cfg.int4_feed == "biased" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
         raise UntiledShape(f"int4_feed='biased' needs scale_in='acc', got {cfg.scale_in!r}")
-    if not 1 <= cfg.chains <= 4:
-        raise UntiledShape(f"chains must be 1 to 4 accumulators, got {cfg.chains}")
     if cfg.scale_in not in ("acc", "w", "auto"):
         raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
     if cfg.compute_wgs not in (1, 2, 3, 4) or cfg.tile_n % (64 * cfg.compute_wgs):
@@ -472,11 +450,7 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     stages = max(2, min(cfg.stages, fit))
     feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
     bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
-    overlap = cfg.overlap and cfg.scale_in == "w"
-    chains = cfg.chains if cfg.scale_in == "w" else 1
-    lay = _Layout(
-        sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, overlap, chains, feed, bias
-    )
+    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, feed, bias)
     x = {"biased": permute_pairs, "relabel": permute_k}.get(feed, lambda a: a)(x)
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),

@@ -253,10 +253,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
                 if offsets:
                     w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1), w.shape, [0])
                 x_t = x_smem.at[slot, :, pl.ds(g * gw, gw)].T
-                wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if lay.interpret else None)
-                # w's registers must outlive the wgmma: without this wait the next group's conversion
-                # corrupted rows +8 of warps 1-3 compiled (their A fragments; docs/kernels.md)
-                plgpu.wgmma_wait(0)
+                wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if lay.interpret else None)  # complete on return
         # unit s's wgmmas are done; its stage is released with the next unit's (or at the segment's end)
 
         @pl.when(s > first)

@@ -46,8 +46,6 @@ class Case:
     scale_in: str = "acc"
     k: int = 512
     feed: str = "biased"  # int4_feed
-    overlap: bool = False
-    chains: int = 1
     x: str = "bfloat16"
 
     @property
@@ -65,14 +63,8 @@ CASES = {
     "int8_g32_m5_bf16scales_two": Case(5, "int8", 32, ns=(128, 384), scales="bfloat16"),
     "int4_g32_m5_qkv_offsets_w": Case(5, "int4", 32, ns=(256, 128, 128), offsets=True, scale_in="w", feed="relabel"),
     "int4_g128_m1_relabel_offsets": Case(1, "int4", 128, offsets=True, feed="relabel"),
-    "int4_g128_m1_relabel_w_overlap": Case(1, "int4", 128, offsets=True, feed="relabel", scale_in="w", overlap=True),
-    "int8_g32_m8_w_overlap_4wg": Case(8, "int8", 32, ns=(256, 512), scale_in="w", overlap=True, wgs=4),
-    # two accumulators: 64-column pieces of each group of 128 alternate between them
-    "int4_g128_m1_relabel_w_two_chains": Case(
-        1, "int4", 128, offsets=True, feed="relabel", scale_in="w", overlap=True, chains=2
-    ),
-    # three accumulators over groups of 32 (one piece each, 4 a unit): the chains get 2, 1 and 1 a unit
-    "int8_g32_m5_w_three_chains": Case(5, "int8", 32, ns=(256, 128), scale_in="w", chains=3),
+    "int4_g128_m1_relabel_w": Case(1, "int4", 128, offsets=True, feed="relabel", scale_in="w"),
+    "int8_g32_m8_w_4wg": Case(8, "int8", 32, ns=(256, 512), scale_in="w", wgs=4),
     "int4_g128_m5_shuffle": Case(5, "int4", 128, feed="shuffle"),
     "int4_g128_m5_f16x_offsets": Case(5, "int4", 128, offsets=True, scales="float16", x="float16"),
     "int8_perchannel_m8_w_f16": Case(8, "int8", 0, scales="float16", scale_in="w"),
@@ -130,8 +122,6 @@ class TestQuantStream:
             tile_n=max(128, 64 * case.wgs),
             scale_in=case.scale_in,
             int4_feed=case.feed,
-            overlap=case.overlap,
-            chains=case.chains,
         )
         return cfg if self.INTERPRET else dataclasses.replace(cfg, ctas=None)
 
@@ -177,11 +167,38 @@ class TestQuantStreamInterpret(TestQuantStream):
         assert sched.slots > 1  # the grid has tiles shared by CTAs
 
 
-LOWERED = {  # name: (M, codes dtype, G, offsets, N_i..., accumulator chains): Llama-3.1-8B's K
-    "int4_g128_offsets_m1_qkv": (1, jnp.int4, 128, True, (4096, 1024, 1024), 1),
-    "int4_g128_offsets_m1_four_chains": (1, jnp.int4, 128, True, (14336,), 4),
-    "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336), 1),
-    "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,), 1),
+LLAMA = {  # name: (M, N_i, K) of Llama-3.1-8B's projections, as the engine hands them to one launch
+    "o_m1": (1, (4096,), 4096),
+    "o_m8": (8, (4096,), 4096),
+    "qkv_m1": (1, (4096, 1024, 1024), 4096),
+    "gate_up_m8": (8, (14336, 14336), 4096),
+    "down_m1": (1, (4096,), 14336),
+}
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("name", list(LLAMA))
+def test_compiled_at_llama_shapes_in_every_call(fmt, name):
+    """The engine's blocks (`QuantStreamBlocks()`, every SM) at full size, three calls of one compiled
+    function: a register-operand hazard once corrupted some calls and not others at these shapes, never
+    at the small ones above (docs/kernels.md)."""
+    m, ns, k = LLAMA[name]
+    case = Case(m, fmt, 128, ns=ns, offsets=fmt == "int4", k=k)
+    x, weights, layer = _inputs(case)
+    refs = [qg.quant_gemm_reference(x, c, s, o, layer, group=128) for c, s, o in weights]
+    gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128))
+    scale_in = qs.QuantStreamBlocks().resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
+    for _ in range(3):
+        for out, ref in zip(gemm(x, weights), refs):
+            _close(out, ref, scale_in)
+
+
+LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K
+    "int4_g128_offsets_m1_qkv": (1, jnp.int4, 128, True, (4096, 1024, 1024)),
+    "int4_g128_offsets_m1_gate": (1, jnp.int4, 128, True, (14336,)),
+    "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336)),
+    "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,)),
 }
 
 
@@ -189,7 +206,7 @@ LOWERED = {  # name: (M, codes dtype, G, offsets, N_i..., accumulator chains): L
 def test_lowers_for_hopper_on_any_host(name):
     """Lowering for CUDA runs Mosaic GPU's layout, tiling and swizzle checks (which the interpreter
     skips) down to its LLVM-level module, on a machine without a GPU."""
-    m, cdt, group, offsets, ns, chains = LOWERED[name]
+    m, cdt, group, offsets, ns = LOWERED[name]
     k, layers = 4096, 4
     weights = tuple(
         (
@@ -200,7 +217,7 @@ def test_lowers_for_hopper_on_any_host(name):
         for n in ns
     )
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    cfg = qs.QuantStreamBlocks(ctas=132, chains=chains)
+    cfg = qs.QuantStreamBlocks(ctas=132)
     op = lambda x, w, l: qs.quant_gemm_multi(x, w, l, group=group, block_sizes=cfg)
     text = jax.jit(op).trace(x, weights, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in text.as_text()
@@ -215,7 +232,6 @@ def test_lowers_for_hopper_on_any_host(name):
         dict(scale_in="x"),
         dict(wgs=5),
         dict(scale_in="w", feed="biased"),  # the bias comes off the accumulators only
-        dict(chains=0),
     ],
 )
 def test_untiled_shapes_are_refused_with_the_numbers(bad):
@@ -228,7 +244,6 @@ def test_untiled_shapes_are_refused_with_the_numbers(bad):
         scale_in=bad.get("scale_in", "acc"),
         compute_wgs=bad.get("wgs", 2),
         int4_feed=bad.get("feed", "relabel"),
-        chains=bad.get("chains", 1),
     )
     with pytest.raises(qs.UntiledShape, match=r"\d|scale_in"):
         qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg, interpret=True)
