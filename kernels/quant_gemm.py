@@ -19,7 +19,8 @@ so they scale rows of the LHS, or of a per-group accumulator: two variants (`Qua
   scales (a [tile_n] vector in the accumulator's row layout) and added to a running f32 sum carried
   through the pipeline. The scales stay f32-exact; the price is a wgmma wait per group.
 - "w": the scales multiply the converted codes in registers (in x's dtype), and the offsets are
-  added there too, and every group accumulates into one wgmma accumulator, waited on once per step.
+  added there too, and every group accumulates into one wgmma accumulator (each group's wgmma waited on:
+  its register operand must outlive it, `mma_from_registers`).
   Each weight is rounded to x's dtype (bf16: 2^-9 relative), which averages out over K. This is how
   tokamax's quantized ragged dot does it on Hopper. The default for weights with offsets (int4 and
   Q4_1-like formats), where "acc" would need them in the wrapper.
@@ -107,16 +108,21 @@ def tile_k_fits(tile_k: int, group: int, bits: int) -> bool:
 
 
 def mma_from_registers(acc, w, x_t, interpret: bool):
-    """acc [tile_n, M8] += w [tile_n, gw] (registers) · x_t [gw, M8] (SMEM). Mosaic GPU's interpreter
-    takes wgmma operands from SMEM only, so there (alone) w goes through an SMEM buffer first."""
+    """acc [tile_n, M8] += w [tile_n, gw] (registers) · x_t [gw, M8] (SMEM), complete on return. Mosaic GPU's
+    interpreter takes wgmma operands from SMEM only, so there (alone) w goes through an SMEM buffer first.
+
+    It waits because wgmma reads a register operand asynchronously while the compiler already reuses its
+    registers for the next group's conversion (compiled, that corrupted results; docs/kernels.md)."""
     if not interpret:
         plgpu.wgmma(acc, w, x_t)
+        plgpu.wgmma_wait(0)
         return
 
     def via_smem(w_smem):
         w_smem[...] = w
         plgpu.commit_smem()
         plgpu.wgmma(acc, w_smem, x_t)
+        plgpu.wgmma_wait(0)
 
     pl.run_scoped(via_smem, plgpu.SMEM(w.shape, w.dtype))
 
@@ -179,7 +185,6 @@ def _kernel(
 
                 def part_scope(acc):
                     mma_from_registers(acc, w, x_cols(x_smem, g), interpret)  # accᵀ = codesᵀ · xᵀ of one group
-                    plgpu.wgmma_wait(0)
                     return acc[...]
 
                 part = pl.run_scoped(part_scope, plgpu.ACC((tile_n, m8), jnp.float32))  # [tile_n, M8]
@@ -200,8 +205,7 @@ def _kernel(
                     w = w * lax.broadcast_in_dim(s, w.shape, [0])
                     if o_smem:
                         w = w + lax.broadcast_in_dim(scale(o_smem[0], g).astype(cdt), w.shape, [0])
-                    mma_from_registers(acc, w, x_cols(x_smem, g), interpret)
-                plgpu.wgmma_wait(0)  # the stage's buffers and registers are free when the step returns
+                    mma_from_registers(acc, w, x_cols(x_smem, g), interpret)  # complete on return
 
             plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*gmems)
             return acc[...]
