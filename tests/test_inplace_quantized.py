@@ -10,7 +10,7 @@ import pytest
 
 from jaxdecode.config import ModelConfig
 from jaxdecode.decode import Engine
-from jaxdecode.hooks import kernel_qkv_attend, kernel_quant_dot, kernel_swiglu
+from jaxdecode.hooks import kernel_mlp, kernel_qkv_attend, kernel_quant_dot, kernel_swiglu
 from jaxdecode.looping import StackedRef, outside_runs
 from jaxdecode.model import Hook, init_random, quantize_weights
 from jaxdecode.model import qkv_attend as model_qkv_attend
@@ -148,3 +148,40 @@ def test_compiled_default_hooks_equal_unrolled(batch, quant_hooks, cfg):
     np.testing.assert_allclose(results[1], results[0], rtol=RTOL, atol=4 * 2.0**-8 * np.abs(results[0]).max())
     if quant_hooks == "kernels":
         assert {name for name, ok in calls if ok} == TAKEN[cfg.name], calls
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_compiled_fused_mlp_equals_the_unfused_path(batch):
+    """The optional fused MLP hook (`kernel_mlp`: gate/up, SwiGLU and down in one launch) on a 4-layer int4
+    model, compiled: the first decode step's logits match the default looped engine's (the same kernels'
+    arithmetic but h's rounding and the sums' order) and the unrolled model's, and greedy decoding picks the
+    same tokens; the hook took the MLP wherever M <= 8 (the decode step, and the prompt at batch 1)."""
+    cfg = ModelConfig("tiny-quant-fused-mlp", 97, 512, 4, 4, 2, 1024, max_seq_len=64)
+    model = quantize_weights(init_random(cfg, seed=7, dtype=jnp.bfloat16), "int4", group=128)
+    taken: list = []
+
+    def counted(x, *args, **kwargs):
+        out = kernel_mlp(x, *args, **kwargs)
+        taken.append((int(np.prod(x.shape[:-1])), out is not None))  # (M, taken): the kernel takes M <= 8
+        return out
+
+    rng = np.random.default_rng(8)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, 5)), jnp.int32)
+    logits, tokens = [], []
+    engines = (Engine(model, loop_layers=False), Engine(model), Engine(model, hooks={Hook.MLP: counted}))
+    for engine in engines:
+        cache = engine.new_cache(batch, 64)
+        positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (batch, 5))
+        out, cache = engine.forward(engine.params, prompt, positions, cache)
+        step = jnp.argmax(out[:, -1:], axis=-1).astype(jnp.int32)  # [B, 1]
+        out, _ = engine.forward(engine.params, step, jnp.full((batch, 1), 5, jnp.int32), cache)
+        logits.append(np.asarray(out, np.float32))
+        tokens.append(np.asarray(jnp.argmax(out[:, -1], axis=-1)))
+    assert taken and all(ok for m, ok in taken if m <= 8) and (1 if batch == 1 else batch, True) in taken, taken
+    scale = np.abs(logits[0]).max()
+    for got in logits[1:]:
+        np.testing.assert_allclose(got, logits[0], rtol=RTOL, atol=4 * 2.0**-8 * scale)
+    top2 = np.sort(logits[1][:, -1], axis=-1)[:, -2:]  # [B, 2]: runner-up and best of the unfused path
+    clear = top2[:, 1] - top2[:, 0] > 2 * 4 * 2.0**-8 * scale  # rows whose best token no rounding can flip
+    np.testing.assert_array_equal(tokens[2][clear], tokens[1][clear])
