@@ -19,7 +19,9 @@ In one process:
     way torch's row is timed); µs per call = median over runs of the jit's wall time / L ("wall",
     launch-bound for small calls), and from one profiled run the GPU time of all the jit's kernels / L
     ("device", what a row's GB/s uses: the op's pad and epilogue kernels count) and the op's main
-    kernel alone ("kernel");
+    kernel alone ("kernel"); every quantized row is also checked at its own shape against the reference
+    (the first and last layer of the first and last run: `max_rel_err`, `right`), since a kernel right on
+    the small shape of (a) can be wrong in some calls at full size;
 (c) the HBM read ceiling in the same process; every row's GB/s counts its own bytes (codes + scales
     + x + y, or the bf16 weight + x + y) and its % of the ceiling;
 (d) if torch imports: tinygemm int4 (`_convert_weight_to_int4pack` + `_weight_int4pack_mm`, group
@@ -227,10 +229,12 @@ def check_variants() -> list[dict]:
 # (b) timing: L calls over the stacked layers per jit
 
 
-def time_loop(gemm, weights: tuple, m: int, n: int, k: int) -> tuple[float, float]:
-    """(median µs per call, compile + first run s) of gemm(x, l, *weights) [M, N] over l = 0..L-1
-    unrolled in one jit. The stacks are the jit's arguments: closed over, they would be
-    baked into the executable as constants (GBs)."""
+def time_loop(gemm, weights: tuple, m: int, n: int, k: int, reference=None) -> tuple:
+    """(median µs per call, compile + first run s, GPU µs per call, main kernel µs, error) of
+    gemm(x, l, *weights) [M, N] over l = 0..L-1 unrolled in one jit. The stacks are the jit's arguments:
+    closed over, they would be baked into the executable as constants (GBs). error: with `reference(x, l)`
+    given, the largest |y - reference| / max |reference| over the first and last layers of the first and
+    the last timed run (a kernel can be wrong in some calls only), else NaN."""
     layers = RUN["layers"]
     x = jax.random.normal(jax.random.key(7), (m, k), jnp.float32).astype(jnp.bfloat16)
 
@@ -242,17 +246,25 @@ def time_loop(gemm, weights: tuple, m: int, n: int, k: int) -> tuple[float, floa
 
     index = jnp.arange(layers, dtype=jnp.int32)
     t0 = time.perf_counter()
-    jax.block_until_ready(loop(x, weights, index))
+    first_outs = jax.block_until_ready(loop(x, weights, index))
     first = time.perf_counter() - t0
     for _ in range(RUN["warmup"]):
         jax.block_until_ready(loop(x, weights, index))
     ts = []
     for _ in range(RUN["runs"]):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(x, weights, index))
+        last_outs = jax.block_until_ready(loop(x, weights, index))
         ts.append(time.perf_counter() - t0)
     device_us, kernel_us = profiled(lambda: jax.block_until_ready(loop(x, weights, index)))
-    return statistics.median(ts) / layers * 1e6, first, device_us / layers, kernel_us
+    error = float("nan")
+    if reference is not None:
+        errs = []
+        for l in (0, layers - 1):
+            ref = np.asarray(reference(x, l), np.float32)
+            for outs in (first_outs, last_outs):
+                errs.append(np.abs(np.asarray(outs[l], np.float32) - ref).max() / np.abs(ref).max())
+        error = float(max(errs))  # NaN outputs propagate: a NaN error is a wrong kernel too
+    return statistics.median(ts) / layers * 1e6, first, device_us / layers, kernel_us, error
 
 
 def profiled(run) -> tuple[float, float]:
@@ -290,13 +302,22 @@ def record(
     log(f"  {shape:8s} M={m:<3d} {impl:10s} {variant:16s} {nbytes / 2**20:8.2f} MiB  {shown}{took}")
 
 
-def attempt_time(shape, m, impl, variant, nbytes, ceiling, gemm, weights, n, k):
+# outputs ~N(0, 1): bf16 rounding of the output and, under "w", of each scaled weight stay under 1e-2 of the
+# largest; a register or synchronization fault shows orders of magnitude above (or as NaN)
+WRONG = 0.02
+
+
+def attempt_time(shape, m, impl, variant, nbytes, ceiling, gemm, weights, n, k, reference=None):
     if time.perf_counter() > RUN["deadline"]:
         record(shape, m, impl, variant, None, nbytes, ceiling, error="skipped: past --budget-s")
         return
     try:
-        wall, first, device, kernel = time_loop(gemm, weights, m, n, k)
+        wall, first, device, kernel, error = time_loop(gemm, weights, m, n, k, reference)
         extra = dict(wall_us=round(wall, 2), kernel_us=round(kernel, 2))
+        if reference is not None:
+            extra.update(max_rel_err=error, right=bool(error < WRONG))  # NaN compares False: wrong
+            if not extra["right"]:
+                log(f"  WRONG: {shape} M={m} {impl} {variant}: max |err| {error:.3g} of max |y|")
         record(shape, m, impl, variant, wall if np.isnan(device) else device, nbytes, ceiling, None, first, extra)
     except Exception as e:  # noqa: BLE001  (one failing variant must not end the run)
         record(shape, m, impl, variant, None, nbytes, ceiling, error=first_line(e))
@@ -315,7 +336,8 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
                 for name in names:
                     gemm = quant_op(VARIANTS[name], GROUP, interp)
                     arrays = (codes, scales) + ((offsets,) if with_offsets else ())
-                    attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, arrays, n, k)
+                    ref = lambda x, l, c=codes, s=scales, o=offsets: qg.quant_gemm_reference(x, c, s, o, l, group=GROUP)
+                    attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, arrays, n, k, ref)
             del codes, scales, offsets
             gc.collect()
         w = jax.random.normal(key, (layers, k, n), jnp.float32).astype(jnp.bfloat16)  # [L, K, N]
