@@ -26,9 +26,9 @@ fixups only. The conversion, scaling and wgmma of a unit are `quant_gemm_stream`
 (codes scaled and offset in x's dtype, one f32 accumulator); gate and up take `gate_up_feed`'s int4
 feed, down the natural-order "shuffle" feed (h is made here, in its natural order).
 
-Status: exact in Mosaic GPU's interpreter (one CTA) and compiled on an H200 on one and four CTAs (M 1
-and 8), once each group's wgmma completes before the next group's conversion (a register-operand
-hazard: docs/kernels.md). Not in the default hook table until it measures faster than two launches.
+Status: exact in Mosaic GPU's interpreter (one CTA), and compiled on an H200 on 1, 4 and 132 CTAs (M 1
+and 8; each group's wgmma completes before the next group's conversion: `wgmma_register_lhs`). Slower
+than the two launches it replaces (docs/kernels.md), so not in the default hook table.
 
 Mosaic GPU's interpreter has no GMEM semaphores: interpreted, the kernel runs on one CTA, whose own
 fixups are awaited through a shared-memory barrier instead (the data flow and arithmetic are the same;
