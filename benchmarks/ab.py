@@ -34,7 +34,12 @@ many leading greedy tokens equal the first variant's in every sequence (same wei
 compute the same function agree up to rounding).
 --profile: one more run under the JAX profiler, read by `gpu_trace.step_profile` (kernels per decode
 step, their time, the idle time between kernels, the longest kernels), and the decode chunk's
-temporary memory. --hlo: the optimized HLO of one decode step: weight copies (dynamic slices of at
+temporary memory.
+--check: each row also compares the variant's logits (the prompt's last position, one decode step) with
+the unrolled model's on the same weights (XLA's own dots, an independent implementation):
+check_max_rel_err and check_right (within CHECK_TOLERANCE of the largest logit). Agreement with the
+first variant's greedy tokens cannot tell a wrong kernel from quantization; this can.
+--hlo: the optimized HLO of one decode step: weight copies (dynamic slices of at
 least one layer's smallest weight), cache copies (one layer's K or V), custom calls (kernel launches).
 
 JSON lines on stdout and in DIR/ab.jsonl (--out, default $OUT or the current directory), the summary
@@ -250,16 +255,47 @@ def parse_variant(spec: str) -> Variant:
 # -- measuring, in the process that runs the variant ---------------------------------------------------
 
 
+def variant_model(model, v: Variant):
+    """The weights the variant runs: `model`, or with quantize= a quantized copy (new arrays in new modules:
+    the dense weights stay for the next variant)."""
+    if not v.quantize:
+        return model
+    graph, state = nnx.split(model)  # new Variables over the same arrays: set_value must not reach `model`
+    return quantize_weights(nnx.merge(graph, jax.tree.map(lambda a: a, state)), v.quantize)
+
+
 def build_engine(model, v: Variant):
-    """The variant's engine on one copy of the weights (split over v.tp devices by `TPForward.from_model`)."""
+    """The variant's engine on `variant_model(...)`'s weights (split over v.tp devices by `TPForward.from_model`)."""
     kw = dict(loop_layers=v.loop_layers, hooks=v.engine_hooks(), stacked_dot=v.engine_stacked_dot())
-    if v.quantize:  # a quantized copy: new arrays in new modules, the dense weights stay for the next variant
-        graph, state = nnx.split(model)  # new Variables over the same arrays: set_value must not reach `model`
-        model = quantize_weights(nnx.merge(graph, jax.tree.map(lambda a: a, state)), v.quantize)
     if v.tp == 1:
         return Engine(model, loop_mode=v.loop_mode, **kw)
     mode = v.loop_mode or default_loop_mode()
     return Engine(None, tp=TPForward.from_model(model, v.tp, loop_mode=mode, allreduce=v.allreduce or "kernel", **kw))
+
+
+# --check flags a variant whose logits stray from the unrolled model's on the same weights by more than
+# this fraction of their largest: rounding differences (bf16 activations, the kernels' bf16 weights and
+# summation order) stay near 1e-2; a wrong kernel shows as NaN or orders of magnitude above
+CHECK_TOLERANCE = 0.05
+
+
+def check_logits(engine, reference, prompts: np.ndarray) -> dict:
+    """The variant's logits against `reference` (the unrolled model, XLA's dots, on the same weights): the
+    prompt's last position and one decode step after the reference's greedy token, both engines fed the
+    same tokens. Returns check_max_rel_err (max |difference| / max |reference logit|) and check_right."""
+    batch, plen = prompts.shape
+    tokens = jnp.asarray(prompts, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(plen, dtype=jnp.int32), (batch, plen))
+    outs, step = [], None
+    for e in (reference, engine):
+        cache = e.new_cache(batch, cache_length(0, plen, 1))
+        first, cache = e.forward(e.params, tokens, positions, cache)
+        if step is None:
+            step = jnp.argmax(first[:, -1:], axis=-1).astype(jnp.int32)  # [B, 1]
+        second, _ = e.forward(e.params, step, jnp.full((batch, 1), plen, jnp.int32), cache)
+        outs.append([np.asarray(first[:, -1], np.float32), np.asarray(second[:, -1], np.float32)])
+    err = max(float(np.abs(got - ref).max() / np.abs(ref).max()) for ref, got in zip(*outs))
+    return dict(check_max_rel_err=err, check_right=bool(err < CHECK_TOLERANCE))  # NaN compares False
 
 
 _DYNAMIC_SLICE = re.compile(r"= (bf16|f32|f16)\[([\d,]*)\]\{[^}]*\} (dynamic-slice|fusion)\(")
@@ -350,7 +386,9 @@ def run_variants(variants: list[tuple[int, Variant]], args, emit) -> None:
     model = load_model(args.model, dtype=default_dtype(), seed=args.seed, quantize=args.quantize).model
     for index, v in variants:
         try:
-            engine = build_engine(model, v)
+            weights = variant_model(model, v)
+            engine = build_engine(weights, v)
+            reference = Engine(weights, loop_layers=False) if args.check else None
         except Exception as e:  # one variant failing must not lose the others
             emit(dict(index=index, variant=v.spec, error=f"{type(e).__name__}: {str(e)[-600:]}"), None)
             continue
@@ -360,10 +398,13 @@ def run_variants(variants: list[tuple[int, Variant]], args, emit) -> None:
                 prompts = rng.integers(0, model.cfg.vocab_size, (batch, args.prompt_len))
                 head = dict(index=index, variant=v.spec, tp=v.tp, batch=batch, context=context)
                 try:
-                    emit(*measure_row(engine, v, head, prompts, args, ceiling))
+                    row, tokens = measure_row(engine, v, head, prompts, args, ceiling)
+                    if reference is not None:
+                        row.update(check_logits(engine, reference, prompts))
+                    emit(row, tokens)
                 except Exception as e:
                     emit(dict(head, error=f"{type(e).__name__}: {str(e)[-600:]}"), None)
-        engine = None
+        engine = reference = weights = None
         gc.collect()
 
 
@@ -393,7 +434,7 @@ def child_command(args, spec: str) -> list[str]:
     ]
     flags += ["--quantize", args.quantize] if args.quantize else []
     flags += ["--ceiling-gib", str(args.ceiling_gib)] if args.ceiling_gib else []
-    flags += ["--profile"] * args.profile + ["--hlo"] * args.hlo
+    flags += ["--profile"] * args.profile + ["--hlo"] * args.hlo + ["--check"] * args.check
     return [sys.executable, os.path.abspath(__file__), *flags]
 
 
@@ -414,7 +455,7 @@ def in_child(args, index: int, v: Variant, emit) -> None:
 def print_table(rows: list[dict]) -> None:
     print(
         f"\n{'#':>2} {'variant':40} {'B':>3} {'ctx':>6} {'ms/token':>9} {'tok/s':>9} {'GB/s':>7} {'%ceil':>6} "
-        f"{'agree':>5} {'kernels':>7}",
+        f"{'agree':>5} {'kernels':>7} {'right':>5}",
         file=sys.stderr,
     )
     for r in rows:
@@ -424,7 +465,8 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['index']:>2} {r['variant'][:40]:40} {r['batch']:>3} {r['context']:>6} {r['ms']:>9.3f} "
             f"{r['tok_s']:>9.1f} {r['gb_s']:>7.1f} {r['pct_ceiling']:>6.1f} "
-            f"{r['tokens_agree_with_first'] if r['index'] else '-'!s:>5} {r.get('kernels_per_step', '-')!s:>7}",
+            f"{r['tokens_agree_with_first'] if r['index'] else '-'!s:>5} {r.get('kernels_per_step', '-')!s:>7} "
+            f"{ {True: 'yes', False: 'NO'}.get(r.get('check_right'), '-'):>5}",
             file=sys.stderr,
         )
 
@@ -453,6 +495,9 @@ def parse_args(argv=None):
     p.add_argument("--isolate", action="store_true", help="every variant in a process of its own")
     p.add_argument("--profile", action="store_true", help="kernels per step, idle time, longest kernels (GPU)")
     p.add_argument("--hlo", action="store_true", help="weight and cache copies, kernel launches in the step's HLO")
+    p.add_argument(
+        "--check", action="store_true", help="each row's logits against the unrolled model on the same weights"
+    )
     p.add_argument("--out", default=None, help="directory for ab.jsonl (default $OUT, else the current directory)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -345,6 +346,37 @@ def test_ab_times_variants_in_one_process(tmp_path):
     modes = {r["index"]: (r["loop_mode"], r["weight_copies"]) for r in rows}
     assert modes[1] == ("unrolled", 0) and modes[2][0] == "inplace"
     assert modes[0][0] == "inplace" and modes[0][1] > 0  # on the CPU XLA still slices W[l] out of the stacks
+
+
+def test_ab_check_compares_each_variant_with_the_unrolled_model(tmp_path):
+    """--check: the in-place looped engine and an int4 copy each agree with the unrolled model on their own
+    weights (float32 on the CPU: far inside the tolerance); a variant with a wrong kernel is flagged."""
+    rows, summary = _run_ab(tmp_path, "base", "quantize=int4", extra=["--check"])
+    assert summary["errors"] == [] and len(rows) == 4
+    for r in rows:
+        assert r["check_right"] is True and r["check_max_rel_err"] < 1e-4, r
+
+
+def test_ab_check_flags_a_wrong_kernel(ab):
+    """check_logits against an engine whose logits are off by a tenth of the largest: not right."""
+
+    class Shifted:  # the reference's outputs, every logit moved by 0.1 of the largest at the last position
+        def __init__(self, engine):
+            self.engine, self.params = engine, engine.params
+
+        def new_cache(self, *a):
+            return self.engine.new_cache(*a)
+
+        def forward(self, *a):
+            out, cache = self.engine.forward(*a)
+            return out + 0.1 * jnp.abs(out[:, -1]).max(), cache
+
+    model = init_random(PRESETS["tiny-gqa"], seed=0)
+    reference = Engine(model, loop_layers=False)
+    prompts = np.random.default_rng(0).integers(0, PRESETS["tiny-gqa"].vocab_size, (2, 5))
+    assert ab.check_logits(Engine(model), reference, prompts)["check_right"] is True
+    bad = ab.check_logits(Shifted(reference), reference, prompts)
+    assert bad["check_right"] is False and bad["check_max_rel_err"] == pytest.approx(0.1, rel=1e-3)
 
 
 def test_ab_variant_with_xla_flags_runs_in_its_own_process(tmp_path):
