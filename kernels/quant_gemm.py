@@ -107,24 +107,34 @@ def tile_k_fits(tile_k: int, group: int, bits: int) -> bool:
 # Kernel body
 
 
-def mma_from_registers(acc, w, x_t, interpret: bool):
-    """acc [tile_n, M8] += w [tile_n, gw] (registers) · x_t [gw, M8] (SMEM), complete on return. Mosaic GPU's
-    interpreter takes wgmma operands from SMEM only, so there (alone) w goes through an SMEM buffer first.
+def mma_from_registers(acc, w, x_t, interpret: bool, stage=None):
+    """acc [rows, M8] += w [rows, cols] (registers) · x_t [cols, M8] (SMEM), complete on return. Mosaic GPU's
+    interpreter takes wgmma operands from SMEM only, so there (alone) w goes through SMEM first: `stage`
+    (a [rows, >= cols] tile of the caller's, for kernels whose scoped SMEM all warpgroups must share) or
+    a scoped buffer.
 
-    It waits because wgmma reads a register operand asynchronously while the compiler already reuses its
-    registers for the next group's conversion (compiled, that corrupted results; docs/kernels.md)."""
+    Why it waits: wgmma reads a register operand asynchronously, and the compiler frees w's registers once
+    the wgmma is issued, so the next group's conversion may overwrite them before they are read. Compiled
+    on the H200 that corrupted runs of 8 rows of the result (warps 1-3's A fragments), in
+    `kernels.quant_mlp` and at the 8B shapes in `kernels.quant_gemm_stream`'s int4 path, in some calls
+    and not others (docs/kernels.md). Every register-operand wgmma of the quantized kernels goes through
+    here."""
     if not interpret:
         plgpu.wgmma(acc, w, x_t)
         plgpu.wgmma_wait(0)
         return
 
     def via_smem(w_smem):
+        w_smem = w_smem.at[:, pl.ds(0, w.shape[1])]
         w_smem[...] = w
         plgpu.commit_smem()
         plgpu.wgmma(acc, w_smem, x_t)
         plgpu.wgmma_wait(0)
 
-    pl.run_scoped(via_smem, plgpu.SMEM(w.shape, w.dtype))
+    if stage is None:
+        pl.run_scoped(via_smem, plgpu.SMEM(w.shape, w.dtype))
+    else:
+        via_smem(stage)
 
 
 def _kernel(

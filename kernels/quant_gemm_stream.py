@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
-from kernels.quant_gemm import UntiledShape, code_bits, load_width, smem_transforms, tile_k_fits
+from kernels.quant_gemm import UntiledShape, code_bits, load_width, mma_from_registers, smem_transforms, tile_k_fits
 
 MAX_M = 64  # batch rows: the x tile and the accumulators grow with M8 (prefill goes elsewhere)
 
@@ -203,25 +203,6 @@ def relabel_as_wgmma(w):
 # The kernel
 
 
-def wgmma_register_lhs(acc, w, x_t, stage=None):
-    """acc += w · x_t with w in registers, complete on return; `stage` (this warpgroup's [rows, ≥ cols]
-    SMEM tile) in interpret mode, where Mosaic GPU's interpreter takes wgmma's LHS from SMEM only: w goes
-    through it.
-
-    Why it waits: wgmma reads a register operand asynchronously, and the compiler frees w's registers once
-    the wgmma is issued, so the next group's conversion may overwrite them before they are read. Compiled
-    on the H200 that corrupted runs of 8 rows of the result (warps 1-3's A fragments), in `quant_mlp` and
-    at the 8B shapes in this kernel's int4 path, in some calls and not others (docs/kernels.md)."""
-    if stage is None:
-        plgpu.wgmma(acc, w, x_t)
-    else:
-        stage = stage.at[:, pl.ds(0, w.shape[1])]
-        stage[...] = w
-        plgpu.commit_smem()
-        plgpu.wgmma(acc, stage, x_t)
-    plgpu.wgmma_wait(0)
-
-
 def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, slot, barrier):
     """Start the TMA copies of one unit into stage `slot`, arriving on barrier[slot]: tile t of `weights`
     (each (codes [L, N, K], scales(, offsets) [L, K/G, N]) with `tiles` tiles, laid out tile-major), k-step
@@ -310,8 +291,8 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         grow = g if lay.group <= tile_k else 0
         return plgpu.load(group_smems[which].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(dtype)
 
-    def mma(acc, w, x_t):
-        wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if interpret else None)
+    def mma(acc, w, x_t):  # complete on return
+        mma_from_registers(acc, w, x_t, interpret, w_stage.at[wg] if interpret else None)
 
     def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)
@@ -339,7 +320,6 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 scales = per_row(slot, r0, g, 0, jnp.float32)
                 offs = per_row(slot, r0, g, 1, jnp.float32) if offsets else None
                 groups_of.append((g, scales, offs))
-            plgpu.wgmma_wait(0)
             return [(accs[g][...], accs[lay.group_rows + g][...] if sums else None, s, o) for g, s, o in groups_of]
 
         parts = pl.run_scoped(scope, *[plgpu.ACC((rows, m8), jnp.float32)] * (lay.group_rows * (1 + sums)))

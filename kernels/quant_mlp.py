@@ -27,7 +27,7 @@ fixups only. The conversion, scaling and wgmma of a unit are `quant_gemm_stream`
 feed, down the natural-order "shuffle" feed (h is made here, in its natural order).
 
 Status: exact in Mosaic GPU's interpreter (one CTA), and compiled on an H200 on 1, 4 and 132 CTAs (M 1
-and 8; each group's wgmma completes before the next group's conversion: `wgmma_register_lhs`). Slower
+and 8; each group's wgmma completes before the next group's conversion: `mma_from_registers`). Slower
 than the two launches it replaces (docs/kernels.md), so not in the default hook table.
 
 Mosaic GPU's interpreter has no GMEM semaphores: interpreted, the kernel runs on one CTA, whose own
@@ -47,8 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
-from kernels.quant_gemm import UntiledShape, code_bits, load_width, smem_transforms
-from kernels.quant_gemm_stream import copy_weight_unit, permute_k, relabel_as_wgmma, wgmma_register_lhs
+from kernels.quant_gemm import UntiledShape, code_bits, load_width, mma_from_registers, smem_transforms
+from kernels.quant_gemm_stream import copy_weight_unit, permute_k, relabel_as_wgmma
 
 MAX_M = 8  # batch rows: the fixup's h block [M8, 64] per warpgroup and the accumulators are sized for M8 = 8
 TILE = 256  # weight rows per unit (4 compute warpgroups of 64) = h's columns per fixup block = down's tile_k
@@ -253,7 +253,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
                 if offsets:
                     w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1), w.shape, [0])
                 x_t = x_smem.at[slot, :, pl.ds(g * gw, gw)].T
-                wgmma_register_lhs(acc, w, x_t, w_stage.at[wg] if lay.interpret else None)  # complete on return
+                mma_from_registers(acc, w, x_t, lay.interpret, w_stage.at[wg] if lay.interpret else None)  # completes
         # unit s's wgmmas are done; its stage is released with the next unit's (or at the segment's end)
 
         @pl.when(s > first)
@@ -275,8 +275,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
             def body(acc):
                 lax.fori_loop(
                     j_start, j_end, lambda j, cr: (unit(s_base + j, acc, r0, feed, s_base + j_start), cr)[1], None
-                )
-                plgpu.wgmma_wait(0)
+                )  # every unit's wgmmas complete on return
                 plgpu.barrier_arrive(consumed.at[lax.rem(s_base + j_end - 1, stages)])
                 return acc[...]
 

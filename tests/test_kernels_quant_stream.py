@@ -291,12 +291,12 @@ def test_bias_bits_are_the_bias_plus_each_code(dtype):
 def test_register_operand_wgmmas_go_through_the_waiting_helpers():
     """wgmma reads a register operand asynchronously while the compiler reuses its registers, which
     corrupted results compiled and only at full size (docs/kernels.md); the interpreter cannot see it.
-    So in the kernels that feed wgmma from registers, every wgmma is issued by one of the two helpers,
-    which wait for it before returning."""
+    So in the kernels that feed wgmma from registers, every wgmma is issued by the one helper, which waits
+    for it before returning."""
     import ast
     import pathlib
 
-    helpers = {"wgmma_register_lhs", "mma_from_registers"}
+    helpers = {"mma_from_registers"}
     root = pathlib.Path(qs.__file__).parent
     for name in ("quant_gemm.py", "quant_gemm_stream.py", "quant_mlp.py"):
         tree = ast.parse((root / name).read_text())
