@@ -177,21 +177,24 @@ LLAMA = {  # name: (M, N_i, K) of Llama-3.1-8B's projections, as the engine hand
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.parametrize("name", list(LLAMA))
-def test_compiled_at_llama_shapes_in_every_call(fmt, name):
-    """The engine's blocks (`QuantStreamBlocks()`, every SM) at full size, three calls of one compiled
-    function: a register-operand hazard once corrupted some calls and not others at these shapes, never
-    at the small ones above (docs/kernels.md)."""
-    m, ns, k = LLAMA[name]
-    case = Case(m, fmt, 128, ns=ns, offsets=fmt == "int4", k=k)
-    x, weights, layer = _inputs(case)
-    refs = [qg.quant_gemm_reference(x, c, s, o, layer, group=128) for c, s, o in weights]
-    gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128))
-    scale_in = qs.QuantStreamBlocks().resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
-    for _ in range(3):
-        for out, ref in zip(gemm(x, weights), refs):
-            _close(out, ref, scale_in)
+class TestCompiledAtLlamaShapes:
+    INTERPRET = False  # conftest's fixture runs module-level tests on the CPU device: a class keeps the GPU
+
+    @pytest.mark.parametrize("fmt", ["int4", "int8"])
+    @pytest.mark.parametrize("name", list(LLAMA))
+    def test_every_call_matches_reference(self, fmt, name):
+        """The engine's blocks (`QuantStreamBlocks()`, every SM) at full size, three calls of one compiled
+        function: a register-operand hazard once corrupted some calls and not others at these shapes, never
+        at the small ones above (docs/kernels.md)."""
+        m, ns, k = LLAMA[name]
+        case = Case(m, fmt, 128, ns=ns, offsets=fmt == "int4", k=k)
+        x, weights, layer = _inputs(case)
+        refs = [qg.quant_gemm_reference(x, c, s, o, layer, group=128) for c, s, o in weights]
+        gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128))
+        scale_in = qs.QuantStreamBlocks().resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
+        for _ in range(3):
+            for out, ref in zip(gemm(x, weights), refs):
+                _close(out, ref, scale_in)
 
 
 LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K
