@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode.hooks.gemm import on_hopper_16bit, qkv_stream_fits, quantized_weights, stream_arrays
-from jaxdecode.looping import StackedRef, takes_next_weight
-from kernels import decode_attention, dispatch, flat_gemm_stream, l2_prefetch, qkv_rope, quant_gemm, quant_gemm_stream
+from jaxdecode.looping import StackedRef
+from kernels import decode_attention, dispatch, flat_gemm_stream, qkv_rope, quant_gemm, quant_gemm_stream
 
 
-@takes_next_weight
 def kernel_qkv_attend(
     x,
     k_cache,
@@ -33,8 +32,6 @@ def kernel_qkv_attend(
     quant_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
     epilogue_backend: str = "mosaic",
     attention_backend: str = "mosaic",
-    prefetch_mib: float = 0,
-    next_weight: StackedRef | None = None,
     interpret: bool = False,
 ):
     """The `stacked_calls["qkv_attend"]` hook: `model.qkv_attend` for one new token per sequence as three
@@ -57,9 +54,7 @@ def kernel_qkv_attend(
     is then `kernels.quant_gemm_stream` (`quant_blocks`), whose partials have the same layout.
     epilogue_backend, attention_backend: the epilogue's and the attention's kernels, "mosaic" (the
     default; shapes Mosaic GPU does not tile are declined) or "triton" (`kernels.qkv_rope`,
-    `kernels.decode_attention`). prefetch_mib > 0: between the GEMM and the epilogue, a kernel asks L2 for
-    the first prefetch_mib MiB of `next_weight` (the o projection's, from the looping pass;
-    `kernels.l2_prefetch`), read while the epilogue and the attention leave the bus idle.
+    `kernels.decode_attention`).
     """
     if impl not in (None, "stream"):
         raise ValueError(f"kernel_qkv_attend impl must be None or 'stream', got {impl!r}")
@@ -111,20 +106,10 @@ def kernel_qkv_attend(
         parts, sched = partials(x.reshape(batch, d), tuple(w.stack for w in weights), weights[0].index)
     except quant_gemm.UntiledShape:  # the quantized kernel does not tile these weights
         return None
-    cos_rows = cos[:, 0]
-    if prefetch_mib > 0 and isinstance(next_weight, StackedRef) and l2_prefetch.fits(next_weight.stack):
-        cos_rows = l2_prefetch.prefetch_l2(
-            cos_rows,
-            next_weight.stack,
-            next_weight.index,
-            parts,
-            max_bytes=int(prefetch_mib * 2**20),
-            interpret=interpret,
-        )
     q_rows, k_stack, v_stack = qkv_rope.qkv_rope_write(
         parts,
         sched.written(),
-        cos_rows,
+        cos[:, 0],
         sin[:, 0],
         positions[:, 0],
         k_cache.stack,

@@ -68,15 +68,7 @@ and `SplitSum`), `pack` (`Packed`, `PackLayout`, lazy rows), `find` (structural 
 `Analysis`), `report` (`LoopReport`). docs/looping.md is the design page.
 """
 
-from jaxdecode.looping.inplace import (
-    SplitSum,
-    StackedCall,
-    StackedDot,
-    StackedRef,
-    outside_runs,
-    takes_next_weight,
-    takes_split_sums,
-)
+from jaxdecode.looping.inplace import SplitSum, StackedCall, StackedDot, StackedRef, outside_runs, takes_split_sums
 from jaxdecode.looping.pack import Packed, PackLayout
 from jaxdecode.looping.plan import INDEX_MODES, LoopPlan, kernel_loop, layer
 from jaxdecode.looping.report import InputReport, LoopReport, RunReport, SkipReport
@@ -96,7 +88,6 @@ __all__ = [
     "StackedRef",
     "kernel_loop",
     "layer",
-    "takes_next_weight",
     "takes_split_sums",
     "outside_runs",
 ]

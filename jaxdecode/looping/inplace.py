@@ -18,8 +18,6 @@ in which a stacked input is a lazy `StackedRef(stack, i)`:
   stacked cache and the layer index); `None` means "evaluate the call as written". A hook that
   writes a carried stack returns `StackedRef(new stack, i, origin)` for it (the model's `qkv_attend`:
   the epilogue kernel writes the new cache rows);
-- a hook marked with `takes_next_weight` is also told the matrix stack the layer reads after it
-  (`next_weight=`), so that its kernels can ask L2 for those weights while the bus would idle;
 - other calls that receive a ref are evaluated inline by the same interpreter, so a weight
   passed through a helper function still reaches its dot;
 - any other consumer materializes the row once with `lax.dynamic_index_in_dim` (norm weights,
@@ -102,32 +100,6 @@ def _takes_split_sums(hook) -> bool:
     return getattr(hook, "takes_split_sums", False) or getattr(getattr(hook, "func", None), "takes_split_sums", False)
 
 
-def takes_next_weight(hook: StackedCall) -> StackedCall:
-    """Marks a hook that is told which weight the layer reads after it (`next_weight=`, a `StackedRef` of
-    a matrix stack, or None), so that its kernels can ask for that weight before the layer needs it."""
-    hook.takes_next_weight = True
-    return hook
-
-
-def _takes_next_weight(hook) -> bool:
-    return getattr(hook, "takes_next_weight", False) or getattr(getattr(hook, "func", None), "takes_next_weight", False)
-
-
-def upcoming_weights(jaxpr: jcore.Jaxpr, env: Mapping[Any, Any]) -> list[StackedRef | None]:
-    """For each equation, the first matrix stack ([L, K, N], not a carried cache) that a later equation
-    reads, in program order: the weight the layer reads next."""
-    upcoming: list[StackedRef | None] = [None] * len(jaxpr.eqns)
-    following = None
-    for j in range(len(jaxpr.eqns) - 1, -1, -1):
-        upcoming[j] = following
-        for atom in jaxpr.eqns[j].invars:
-            ref = None if isinstance(atom, jcore.Literal) else env.get(atom)
-            if isinstance(ref, StackedRef) and ref.origin is None and ref.stack.ndim == 3:
-                following = ref
-                break
-    return upcoming
-
-
 def outside_runs(hook: StackedCall) -> StackedCall:
     """Marks a hook that is also offered the calls outside the looped runs, with plain arrays (the
     output projection after the layers, say); it returns None for those it leaves as written."""
@@ -184,17 +156,16 @@ class RefEvaluator:
         def read(atom):
             return atom.val if isinstance(atom, jcore.Literal) else env[atom]
 
-        upcoming = upcoming_weights(jaxpr, env)
-        for eqn, next_weight in zip(jaxpr.eqns, upcoming):
+        for eqn in jaxpr.eqns:
             invals = [read(a) for a in eqn.invars]
             if not any(isinstance(v, _LAZY) for v in invals):
                 outs = self._bind(eqn, invals)
             else:
-                outs = self._eval_with_refs(eqn, invals, next_weight)
+                outs = self._eval_with_refs(eqn, invals)
             env.update(zip(eqn.outvars, outs))
         return [read(a) for a in jaxpr.outvars]
 
-    def _eval_with_refs(self, eqn: jcore.JaxprEqn, invals: list[Any], next_weight: StackedRef | None) -> list[Any]:
+    def _eval_with_refs(self, eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
         callee = callee_of(eqn)
         if callee is not None and not side_effects(eqn):
             hook = self.stacked_calls.get(callee_name(eqn))
@@ -204,8 +175,7 @@ class RefEvaluator:
                     if hook is None or _takes_split_sums(hook)
                     else [self.row(v) if isinstance(v, SplitSum) else v for v in invals]
                 )
-                kwargs = {"next_weight": next_weight} if hook is not None and _takes_next_weight(hook) else {}
-                outs = hook(*args, **kwargs) if hook is not None else None
+                outs = hook(*args) if hook is not None else None
                 if outs is not None:
                     for out in outs:  # a hook that wrote a carried stack in place hands back its ref
                         if isinstance(out, StackedRef) and out.origin is not None:
