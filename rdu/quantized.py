@@ -10,7 +10,7 @@ the glue between them (norms, residual adds, converts, transposes). So per forma
 - one GEMM launch costs `gemm_fixed_s` + bytes / (`gemm_efficiency` x read ceiling): the least-squares
   line through the main kernel's GPU time per call of the engine's variant (`ENGINE_VARIANT`) at M = 1
   and 8 on the engine's launches the kernel benchmark measured (`FIT_LAUNCHES`: o and down; its run
-  skipped the fused q·k·v and gate + up for time). On the earlier runs that measured all four launches
+  timed the fused q·k·v and gate + up only in part, for time). On the earlier runs that measured all four launches
   (`FULL_BENCH_FILES`) that line gives the four back within 3% (tests/test_rdu_quant.py);
 - a layer runs `kernels_per_layer` kernels at M = 1 (`kernels_per_layer_batched` at M >= 2), counted in
   the decode step's profile, of which `gemm_kernels` are the GEMM launches; each of the others costs
@@ -23,8 +23,8 @@ of traced steps as the bf16 row of the same run (whose per-step count is sound),
 outside the layers (the batch-8 step's, beyond its layers).
 
 The step profile comes from an earlier run than the kernel benchmark: the kernels a layer launches did
-not change since (the overlap of `QuantStreamBlocks` acts inside the GEMM kernel), and the later step
-runs were not profiled.
+not change since (the wait after each register-operand wgmma acts inside the GEMM kernel), and the later
+step runs were not profiled.
 
 `measured_kernels(root)` derives the table from the two result files; tests/test_rdu_quant.py checks
 `QUANT_KERNELS` against them, so a rewritten kernel is one re-measurement and one edit here.
@@ -40,16 +40,14 @@ import numpy as np
 
 QUANT_FORMATS = ("int4", "int8")
 # kernels/quant_gemm_stream alone, per launch shape
-BENCH_FILE = "benchmarks/results/2026-12-03/quant_gemm_stream_overlap_h200.json"
+BENCH_FILE = "benchmarks/results/2026-12-03/quant_gemm_stream_fixed_h200.json"
 # the whole quantized decode step, with its profile
 STEP_FILE = "benchmarks/results/2026-12-02/ab_quant_stream_8b_h200.jsonl"
-# The engine's kernel configuration (`QuantStreamBlocks()`) in BENCH_FILE, per format: int4 with offsets
-# (--quantize int4) resolves to scales in the weights, 256-wide tiles, 4 compute warpgroups, codes relabelled,
-# each stage released one unit late (overlap); int8 (no offsets) to scales on the accumulator, 128-wide, 2
-# (overlap acts only with scales in the weights, so that run's "stream" without it is int8's engine kernel).
-# The int4 kernel has changed since: each register-operand wgmma now completes before the next conversion
-# (the overlap corrupted some calls; docs/kernels.md), so int4's line is the overlapping kernel's until re-measured.
-ENGINE_VARIANT = {"int4": "stream_overlap", "int8": "stream"}
+# The engine's kernel configuration (`QuantStreamBlocks()`) in BENCH_FILE is "stream" for both formats: int4
+# with offsets (--quantize int4) resolves to scales in the weights, 256-wide tiles, 4 compute warpgroups, codes
+# relabelled; int8 (no offsets) to scales on the accumulator, 128-wide, 2. Each register-operand wgmma completes
+# before the next conversion (docs/kernels.md).
+ENGINE_VARIANT = {"int4": "stream", "int8": "stream"}
 # One layer's GEMM launches as the benchmark names them: q·k·v fused, o (the q/o shape), gate + up fused, down.
 ENGINE_LAUNCHES = ("qkv", "q_o", "gate+up", "down")
 FIT_LAUNCHES = ("q_o", "down")  # those of ENGINE_LAUNCHES that BENCH_FILE measured
@@ -85,7 +83,7 @@ class QuantKernels:
 _SOURCE = (
     f"{BENCH_FILE} (kernels/quant_gemm_stream, the engine's variant per format {ENGINE_VARIANT}: main-kernel "
     f"GPU time per call from the profiler, one H200, least squares over the engine's launches "
-    f"{', '.join(FIT_LAUNCHES)} at M = 1 and 8 (the fused q·k·v and gate + up not measured in that run), "
+    f"{', '.join(FIT_LAUNCHES)} at M = 1 and 8 (the fused q·k·v and gate + up timed in part in that run), "
     f"efficiency of that run's read ceiling) and {STEP_FILE} (kernels a layer: batch 8 from the profile's "
     f"per-step window; batch 1 from the trace's total kernel count over the bf16 row's traced steps, the "
     f"batch-1 window being misdetected)"
@@ -93,8 +91,8 @@ _SOURCE = (
 
 # Values as `measured_kernels()` derives them from the files above (tests check they agree).
 QUANT_KERNELS = {
-    "int4": QuantKernels("int4", 4.4e-06, 0.846, 4, 13, 15, _SOURCE),
-    "int8": QuantKernels("int8", 4.331e-06, 0.9534, 4, 13, 15, _SOURCE),
+    "int4": QuantKernels("int4", 4.058e-06, 0.7581, 4, 13, 15, _SOURCE),
+    "int8": QuantKernels("int8", 4.371e-06, 0.9338, 4, 13, 15, _SOURCE),
 }
 
 
