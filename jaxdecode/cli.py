@@ -344,7 +344,9 @@ def _engine(args, *, need_tokenizer: bool):
     if args.tp != 1:
         from jaxdecode.loading import load_engine
 
-        engine, tok = load_engine(args.model, args.tp, loop_layers=not args.no_loop)
+        engine, tok = load_engine(
+            args.model, args.tp, loop_layers=not args.no_loop, quantize=args.quantize, dequantize=args.dequantize
+        )
     else:
         loaded = load_model(args.model, dtype=default_dtype(), quantize=args.quantize, dequantize=args.dequantize)
         with progress.phase("preparing the decode"):

@@ -275,13 +275,22 @@ def _param_name(path) -> str:
     return (name if name.startswith("lm_head") else f"model.{name}") + part
 
 
-def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
+def load_engine(
+    spec: str,
+    tp: int,
+    *,
+    loop_layers: bool = True,
+    seed: int = 0,
+    quantize: str | None = None,
+    dequantize: bool = False,
+):
     """(Engine over tp devices, tokenizer or None) for a `--model` argument (the CLI's --tp path).
 
-    Presets other than the default get random weights made in place (`TPForward.random`) after a
-    per-device memory preflight; the default model, .gguf files and HF directories are loaded on one
-    device first (`load_model`), then split. Too few devices or a config tp cannot split
-    raise ValueError before anything is loaded (where the config is known up front).
+    Presets other than the default get dense random weights made in place (`TPForward.random`) after a
+    per-device memory preflight; the default model, .gguf files, HF directories and quantized presets
+    are loaded on one device first (`load_model`, with `quantize` and `dequantize` as there), then
+    split: quantized weights as they are (`tp.quantized_specs`). Too few devices or a config tp cannot
+    split raise ValueError before anything is loaded (where the config is known up front).
     """
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
@@ -290,14 +299,14 @@ def load_engine(spec: str, tp: int, *, loop_layers: bool = True, seed: int = 0):
     if spec in PRESETS:
         cfg = get_preset(spec)
         shard_config(cfg, tp)
-        if spec != DEFAULT_MODEL:
+        if spec != DEFAULT_MODEL and quantize is None:
             preflight(cfg, itemsize=jnp.dtype(dtype).itemsize, context=min(4096, cfg.max_seq_len), looped=False, tp=tp)
             with phase(f"drawing random weights for {spec}, split over {tp} devices"):
                 tpf = TPForward.random(
                     cfg, tp, dtype=dtype, seed=seed, loop_layers=loop_layers, loop_mode=default_loop_mode()
                 )
             return Engine(None, tp=tpf), None
-    loaded = load_model(spec, dtype=dtype, dequantize=True)  # the tensor-parallel splits take dense weights
+    loaded = load_model(spec, dtype=dtype, seed=seed, quantize=quantize, dequantize=dequantize)
     with phase(f"splitting the weights over {tp} devices"):
         engine = Engine(loaded.model, loop_layers=loop_layers, tp=tp)
     return engine, loaded.tokenizer

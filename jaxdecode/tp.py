@@ -10,6 +10,10 @@ The weights are sliced:
     embed_tokens [V, D]: by rows          lm_head [D, V]: by columns (vocab padded to a multiple of tp)
     norms and RoPE frequencies: replicated                            KV cache [B, S, K, H]: by kv heads
 
+Quantized weights (`QuantizedWeight`: codes [N, K], scales and offsets [K/G, N]) are split the same way,
+each array along its dense weight's axis (`quantized_specs`), so every device keeps its shard quantized;
+a row-parallel shard must hold whole groups (K/tp a multiple of G).
+
 Contiguous head blocks keep GQA groups whole: device i holds q heads iN/tp.. and kv heads iK/tp..,
 and q head n still reads kv head n // G. The embedding is a masked local lookup + psum; the LM head
 gives local logits [B, T, V_pad/tp], all-gathered (tiled) to [B, T, V_pad] and cut to [B, T, V], so
@@ -33,6 +37,7 @@ Known debt: `TPForward.from_model` needs the whole model on one device first; on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -103,9 +108,39 @@ def _spec(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _vocab_axis(path: str) -> int | None:
-    """The vocab axis of a parameter by its path: rows of the embedding, columns of the LM head."""
-    return 0 if "embed_tokens" in path else 1 if "lm_head" in path else None
+def quantized_specs(state, global_specs, local_specs):
+    """(global, local) spec trees in `state`'s structure: where `state` holds a `QuantizedWeight`, its codes
+    [N, K], scales and offsets [K/G, N] at the dense spec's global shape (the vocab padded) and shard
+    shape, in the dense weight's orientation ([K, N], or [N, K] for the embedding table). ValueError where
+    a shard would cut a group of K."""
+
+    def orient(w, g, shape):  # (K, N) of a dense [A, B] spec, as the quantized weight lays them out
+        k, n = w.shape
+        same = k == g.shape[0] and n <= g.shape[1]  # judged on the global spec: a shard shrinks A or B
+        return tuple(shape) if same else tuple(shape[::-1])
+
+    def convert(path, w, g, loc, which: int):
+        if not is_quantized(w):
+            return (g, loc)[which]
+        k, n = orient(w, g, (g, loc)[which].shape)
+        if which == 1 and k % w.group:
+            keys = (str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
+            name = ".".join(key for key in keys if key != "value")
+            raise ValueError(
+                f"{name}: a quantized weight of {w.shape[0]} inputs in groups of {w.group} splits into shards of "
+                f"{k} inputs, which cut a group; use a tp that leaves a multiple of {w.group}, or --dequantize"
+            )
+        group = jax.ShapeDtypeStruct((k // w.group, n), w.scales.dtype)
+        offsets = None if w.offsets is None else jax.ShapeDtypeStruct(group.shape, w.offsets.dtype)
+        return dataclasses.replace(w, codes=jax.ShapeDtypeStruct((n, k), w.codes.dtype), scales=group, offsets=offsets)
+
+    trees = [
+        jax.tree_util.tree_map_with_path(
+            lambda path, w, g, loc: convert(path, w, g, loc, i), state, global_specs, local_specs, is_leaf=is_quantized
+        )
+        for i in (0, 1)
+    ]
+    return trees[0], trees[1]
 
 
 class TPForward:
@@ -129,7 +164,10 @@ class TPForward:
         embed_kernel: bool = False,
         stacked_dot: Callable | None = None,
         hooks: Mapping[Hook | str, Callable | None] | None = None,
+        like=None,
     ):
+        """`like`: the state of the model to be split (`from_model`), whose quantized weights replace the
+        dense shapes of the shard model's parameters with their codes, scales and offsets."""
         if loop_mode not in LOOP_MODES:
             raise ValueError(f"loop mode must be one of {LOOP_MODES}, got {loop_mode!r}")
         self.cfg, self.tp, self.dtype = cfg, tp, jnp.dtype(dtype)
@@ -154,6 +192,8 @@ class TPForward:
         padded = cfg.replace(vocab_size=self.shard_cfg.vocab_size * tp)
         _, self._global_specs = nnx.split(nnx.eval_shape(lambda: Transformer(padded, dtype=dtype, rngs=nnx.Rngs(0))))
         self._local_specs = jax.tree.map(_spec, local_state)
+        if like is not None:
+            self._global_specs, self._local_specs = quantized_specs(like, self._global_specs, self._local_specs)
         self._plans: dict[tuple, LoopPlan] = {}
         self.layout = self.plan(1, 1, 1, jnp.float32).layouts[_PARAMS] if loop_layers else None
         global_p, local_p = self._packed(self._global_specs), self._packed(self._local_specs)
@@ -168,12 +208,11 @@ class TPForward:
 
     @classmethod
     def from_model(cls, model: Transformer, tp: int, **kwargs) -> TPForward:
-        """Slice a model's weights over tp devices (the model stays as it is). Dense weights only: the
-        splits of quantized codes and group scales are not built (ValueError)."""
+        """Slice a model's weights over tp devices (the model stays as it is). Quantized weights are split
+        as they are: codes, scales and offsets along the dense weight's split axis (`quantized_specs`)."""
         _, state = nnx.split(model)
-        if any(is_quantized(w) for w in jax.tree.leaves(state, is_leaf=is_quantized)):
-            raise ValueError("tensor parallelism takes dense weights; drop --tp, or load with --dequantize")
-        self = cls(model.cfg, tp, dtype=model.embed_tokens.dtype, **kwargs)
+        quantized = any(is_quantized(w) for w in jax.tree.leaves(state, is_leaf=is_quantized))
+        self = cls(model.cfg, tp, dtype=model.embed_tokens.dtype, like=state if quantized else None, **kwargs)
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
         if treedef != jax.tree.structure(self._global_specs):
             raise ValueError(f"model structure differs from {model.cfg.name}'s")
@@ -185,10 +224,9 @@ class TPForward:
             )
         )
         placed = []
-        for (path, x), spec, sharding in zip(flat, jax.tree.leaves(self._global_specs), unpacked_shardings):
-            axis = _vocab_axis(jax.tree_util.keystr(path))
-            if axis is not None and x.shape[axis] != spec.shape[axis]:  # zero rows up to V_pad
-                x = jnp.pad(x, [(0, spec.shape[axis] - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+        for (_, x), spec, sharding in zip(flat, jax.tree.leaves(self._global_specs), unpacked_shardings):
+            if x.shape != spec.shape:  # the vocab axis: zero rows (codes and scales: zero columns) up to V_pad
+                x = jnp.pad(x, [(0, g - n) for g, n in zip(spec.shape, x.shape)])
             placed.append(jax.device_put(x, sharding))
         state = jax.tree.unflatten(treedef, placed)
         if self.loop_layers:

@@ -20,12 +20,16 @@ RTOL = 1e-5  # f32; TP only reorders the sums of o_proj and down_proj (psum of t
 
 
 def _compare(
-    cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "slice", hooks=None, tp_hooks=None
+    cfg, tp: int, *, loop: bool, generate: bool = True, mode: str = "slice", hooks=None, tp_hooks=None, quantize=None
 ) -> dict:
+    """quantize: a format, its weights quantized in groups of 8 (the tiny models' shards of o and down hold
+    24 and 40 inputs), split as codes, scales and offsets."""
     from jaxdecode.decode import Engine
-    from jaxdecode.model import init_random
+    from jaxdecode.model import init_random, quantize_weights
 
     model = init_random(cfg, seed=5)
+    if quantize is not None:
+        model = quantize_weights(model, quantize, group=8)
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
     one = Engine(model, loop_layers=loop, loop_mode=mode, hooks=hooks)
     split = Engine(model, loop_layers=loop, loop_mode=mode, tp=tp, hooks={**(hooks or {}), **(tp_hooks or {})})
@@ -123,12 +127,26 @@ def _compare_residual_norm(cfg) -> dict:
     return {**out, "hook_axes": sorted(set(ran))}
 
 
+def _group_cut() -> str:
+    """Groups of 16 over 2 devices: down's 80 inputs (and o's 48) split into shards of 40 (24), which cut a group."""
+    from jaxdecode.config import PRESETS
+    from jaxdecode.decode import Engine
+    from jaxdecode.model import init_random, quantize_weights
+
+    try:
+        Engine(quantize_weights(init_random(PRESETS["tiny-gqa"], seed=5), "int4", group=16), tp=2)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _default_model_tp3() -> dict:
-    """The shipped SmolLM2-135M (9 heads, 3 kv heads) over 3 devices: greedy answer of one and of three."""
+    """The shipped SmolLM2-135M (9 heads, 3 kv heads) over 3 devices, its Q4_1 weights kept quantized:
+    greedy answer of one and of three."""
     from jaxdecode.decode import Engine
     from jaxdecode.loading import load_model
 
-    loaded = load_model(dequantize=True)  # the tensor-parallel splits take dense weights
+    loaded = load_model()
     tok = loaded.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     one, split = (
@@ -181,6 +199,12 @@ def worker(devices: int) -> dict:
             "gqa_inplace_qkv_attend": _compare_qkv_attend(gqa),
             "gqa_inplace_residual_norm": _compare_residual_norm(gqa),
             "random_in_place": _random_in_place(gqa, 2),
+            "gqa_int4_looped": _compare(gqa, 2, loop=True, quantize="int4"),
+            "gqa_int8_inplace": _compare(gqa, 2, loop=True, mode="inplace", quantize="int8"),
+            "tied_int4_unrolled": _compare(  # the quantized table: the embedding's rows and the tied head's
+                gqa.replace(name="tiny-gqa-tied", tie_embeddings=True), 2, loop=False, quantize="int4"
+            ),
+            "group_cut": _group_cut(),
             "engine_freed": _engine_freed(gqa),
         }
     mha = PRESETS["tiny-mha"]  # N 4, K 4, F 80, V 97 -> 100
@@ -228,6 +252,9 @@ def results():
         (2, "gqa_inplace"),
         (2, "gqa_inplace_qkv_attend"),
         (2, "gqa_inplace_residual_norm"),
+        (2, "gqa_int4_looped"),
+        (2, "gqa_int8_inplace"),
+        (2, "tied_int4_unrolled"),
         (4, "qwen2_bias_looped"),
         (4, "mha_looped"),
         (4, "mha_unrolled"),
@@ -247,6 +274,9 @@ def test_tp_logits_equal_one_device(results, devices, case):
         (2, "gqa_looped"),
         (2, "gqa_inplace_qkv_attend"),
         (2, "gqa_inplace_residual_norm"),
+        (2, "gqa_int4_looped"),
+        (2, "gqa_int8_inplace"),
+        (2, "tied_int4_unrolled"),
         (4, "qwen2_bias_looped"),
         (4, "mha_looped"),
     ],
@@ -260,6 +290,11 @@ def test_tp_greedy_tokens_equal_one_device(results, devices, case):
 def test_default_model_on_3_devices_answers_like_one(results):
     r = results[4]["default_model_tp3"]
     assert r["tokens_tp"] == r["tokens_one"] and "Paris" in r["text"]
+
+
+def test_quantized_shards_that_cut_a_group_are_refused_with_the_numbers(results):
+    msg = results[2]["group_cut"]
+    assert "down_proj" in msg and "80 inputs in groups of 16" in msg and "shards of 40 inputs" in msg, msg
 
 
 def test_tp_runs_the_qkv_epilogue_kernel(results):
