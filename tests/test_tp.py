@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -398,6 +399,16 @@ def test_more_devices_than_present_is_refused():
 
     with pytest.raises(ValueError, match=r"--tp 2 needs 2 devices, but JAX sees 1 \(cpu\)"):
         Engine(init_random(PRESETS["tiny-gqa"]), tp=2)
+
+
+def test_load_engine_keeps_the_quantization_asked_for():
+    """The --tp path loads as the one-device path does: --quantize draws a preset quantized (it made dense
+    random weights before), and the shards keep the codes."""
+    from jaxdecode.loading import load_engine
+
+    engine, _ = load_engine("tiny-gqa", 1, quantize="int4")
+    codes = [a for a in jax.tree.leaves(engine.params) if a.dtype in ("int4", "int8")]  # int8 on the CPU
+    assert len(codes) == 8  # the 7 stacked projections of the looped engine and the LM head
 
 
 @pytest.mark.parametrize(

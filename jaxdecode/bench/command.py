@@ -193,8 +193,10 @@ def run_plain(args) -> int:
         if args.tp == 1:
             with phase(f"preparing the {'looped' if loop else 'unrolled'} engine"):
                 engine = Engine(loaded.model, loop_layers=loop)
-        else:  # random presets are made directly on the devices, split
-            engine = load_engine(args.model, args.tp, loop_layers=loop)[0]
+        else:  # dense random presets are made on the devices, split; the rest loaded, then split
+            engine = load_engine(
+                args.model, args.tp, loop_layers=loop, quantize=args.quantize, dequantize=args.dequantize
+            )[0]
         rows.append(
             measure_decode(
                 engine,
