@@ -488,7 +488,7 @@ def quantize_weights(model: Transformer, fmt: str, group: int = DEFAULT_GROUP) -
         if not is_quantized(w):
             w = w.T if transposed else w  # [K, N]
             # a width that `group` does not divide (SmolLM2's 576) takes the largest divisor of both
-            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0])))
+            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0])).device_put())  # int8 codes on the CPU
 
     for layer in model.layers:
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):

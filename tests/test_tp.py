@@ -407,7 +407,7 @@ def test_load_engine_keeps_the_quantization_asked_for():
     from jaxdecode.loading import load_engine
 
     engine, _ = load_engine("tiny-gqa", 1, quantize="int4")
-    codes = [a for a in jax.tree.leaves(engine.params) if a.dtype in ("int4", "int8")]  # int8 on the CPU
+    codes = [a for a in jax.tree.leaves(engine.params) if a.dtype in ("int4", "int8")]  # int8 here (the CPU)
     assert len(codes) == 8  # the 7 stacked projections of the looped engine and the LM head
 
 
