@@ -27,7 +27,14 @@ from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset, sh
 from jaxdecode.decode import Engine, default_dtype
 from jaxdecode.looped_model import default_loop_mode
 from jaxdecode.memory import preflight
-from jaxdecode.model import Transformer, init_random, load_state_dict, quantize_weights, rope_inv_freq
+from jaxdecode.model import (
+    Transformer,
+    init_random,
+    load_state_dict,
+    place_quantized,
+    quantize_weights,
+    rope_inv_freq,
+)
 from jaxdecode.progress import phase
 from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, is_quantized
 from jaxdecode.tokenizer import Tokenizer
@@ -80,7 +87,7 @@ def load_model(
             preflight(cfg, itemsize=itemsize, context=min(4096, cfg.max_seq_len), quantize=quantize)
         with phase(f"drawing random weights for {spec}" + (f", {quantize}" if quantize else "")):
             model = init_random(cfg, seed=seed, dtype=dtype, quantize=quantize, group=group)
-        return LoadedModel(model, None, "random")
+        return LoadedModel(place_quantized(model), None, "random")
     path = default_model_file() if spec == DEFAULT_MODEL else model_path(spec)
     with phase(f"loading {path.name}"):
         if path.is_dir():
@@ -109,7 +116,7 @@ def load_model(
             check_finite(model, path)
     if quantize:
         with phase(f"quantizing to {quantize}"):
-            model = quantize_weights(model, quantize, group)
+            model = place_quantized(quantize_weights(model, quantize, group))
     return LoadedModel(model, tokenizer, str(path))
 
 

@@ -429,6 +429,16 @@ def _random_quantized(key, k: int, n: int, fmt: str, group: int):
     return quantize(jax.random.normal(key, (k, n), jnp.float32) * k**-0.5, fmt, group)
 
 
+def place_quantized(model: Transformer) -> Transformer:
+    """Every quantized weight placed as `load_state_dict` places a checkpoint's (`QuantizedWeight.device_put`:
+    int4 codes widened to int8 on the CPU), in place: for models quantized after loading or drawn quantized.
+    Not part of `quantize_weights`, whose stored format rdu traces and cost.py counts on any host."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param) and is_quantized(node.get_value()):
+            node.set_value(node.get_value().device_put())
+    return model
+
+
 def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Transformer:
     """Copy Hugging Face-named tensors (Linear weights [out, in]) into the model, in place. A tensor may be
     a `QuantizedWeight` (codes in the same [out, in] rows): the parameter then stays quantized.
@@ -488,7 +498,7 @@ def quantize_weights(model: Transformer, fmt: str, group: int = DEFAULT_GROUP) -
         if not is_quantized(w):
             w = w.T if transposed else w  # [K, N]
             # a width that `group` does not divide (SmolLM2's 576) takes the largest divisor of both
-            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0])).device_put())  # int8 codes on the CPU
+            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0])))
 
     for layer in model.layers:
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
