@@ -334,6 +334,21 @@ def test_device_put_widens_int4_codes_on_the_cpu():
     np.testing.assert_array_equal(np.asarray(qw.codes), np.arange(-8, 8).reshape(2, 8))
 
 
+def test_a_model_quantized_on_load_is_placed_and_quantize_weights_keeps_the_stored_format():
+    """`load_model(quantize="int4")` widens the codes on the CPU as a GGUF file's are; `quantize_weights`
+    alone keeps int4 (what rdu traces and cost.py counts): the same values either way."""
+    from jaxdecode.config import get_preset
+    from jaxdecode.model import init_random, quantize_weights
+
+    loaded = load_model("tiny-gqa", quantize="int4", seed=2)
+    stored = init_random(get_preset("tiny-gqa"), seed=2, quantize="int4")
+    quantized = quantize_weights(init_random(get_preset("tiny-gqa"), seed=2), "int4")
+    placed, kept = (m.layers[0].mlp.down_proj.weight.get_value() for m in (loaded.model, stored))
+    assert placed.codes.dtype == jnp.int8 and kept.codes.dtype == jnp.int4
+    assert quantized.layers[0].mlp.down_proj.weight.get_value().codes.dtype == jnp.int4
+    np.testing.assert_array_equal(np.asarray(placed.codes), np.asarray(kept.codes.astype(jnp.int8)))
+
+
 @pytest.fixture(scope="module")
 def default_kept_and_dequantized():
     return load_model(), load_model(dequantize=True)
