@@ -41,6 +41,10 @@ class StreamBlocks:
     stages: int = 4  # TMA stages in flight per CTA (>= 2); cut to what fits in smem_bytes
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
+    # Programmatic dependent launch (Hopper): the kernel may start while the kernel before it runs, loads its
+    # first `stages` weight tiles (weights and the layer index: written by no kernel of the step), then waits
+    # for the previous kernel (`griddepcontrol.wait`) before it reads x or writes anything (`pdl_prologue`)
+    pdl: bool = False
 
     def max_stages(self, m8: int, itemsize: int = 2) -> int:
         """The most pipeline stages whose x and weight tiles fit beside the [2, tile_n, M8] f32 flush buffer."""
@@ -96,7 +100,26 @@ def default_ctas() -> int:
 # The kernel
 
 
-def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile_k: int, stages: int):
+def pdl_prologue(stages: int, issue_weights, issue_x, nsteps, *, pdl: bool) -> None:
+    """The first `stages` units' copies: with `pdl` every weight copy first, then `griddepcontrol.wait` (the
+    previous kernel done: x is written), then x's; without, unit by unit. `issue_weights(j)` and
+    `issue_x(j)` copy unit j into slot j."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    order = ((issue_weights,), (issue_x,)) if pdl else ((issue_x, issue_weights),)
+    for part, copies in enumerate(order):
+        if part == 1:
+            plgpu.griddepcontrol_wait()
+        for j in range(stages):
+
+            @pl.when(j < nsteps)
+            def _():
+                for copy in copies:
+                    copy(j)
+
+
+def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile_k: int, stages: int, pdl: bool):
     """One CTA: units [c·R, min((c+1)·R, U)) through one TMA pipeline, a partial sum per tile."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -112,12 +135,17 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
     nsteps = u1 - u0
 
     def scoped(x_smem, w_smem, out_smem, bars):
-        def issue(j, slot):  # start loading the unit of local step j into `slot`
+        def issue_x(j, slot=None):  # start loading x's part of the unit of local step j into `slot` (j)
+            kk = lax.rem(u0 + j, ks)
+            # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
+            src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
+            plgpu.copy_gmem_to_smem(src, x_smem.at[j if slot is None else slot], bars.at[j if slot is None else slot])
+
+        def issue_weights(j, slot=None):  # the weight tile of the unit of local step j into `slot` (j)
+            slot = j if slot is None else slot
             u = u0 + j
             t, kk = lax.div(u, ks), lax.rem(u, ks)
             ksl = pl.ds(kk * tile_k, tile_k)
-            # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, m8), ksl], x_smem.at[slot], bars.at[slot])
             for i, w in enumerate(w_gmems):
 
                 @pl.when((t >= starts[i]) & (t < starts[i + 1]))
@@ -125,11 +153,11 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
                     nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
                     plgpu.copy_gmem_to_smem(w.at[layer, ksl, nsl], w_smem.at[slot], bars.at[slot])
 
-        for j in range(stages):  # prologue
+        def issue(j, slot):
+            issue_x(j, slot)
+            issue_weights(j, slot)
 
-            @pl.when(j < nsteps)
-            def _():
-                issue(j, j)
+        pdl_prologue(stages, issue_weights, issue_x, nsteps, pdl=pdl)
 
         def step(j, acc):
             slot = lax.rem(j, stages)
@@ -199,7 +227,9 @@ def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
             f"{fit} in {cfg.smem_bytes} bytes of shared memory at M={m}"
         )
     stages = max(2, min(cfg.stages, fit, sched.units_per_cta))
-    kernel = functools.partial(_stream_kernel, sched=sched, tile_n=cfg.tile_n, tile_k=cfg.tile_k, stages=stages)
+    kernel = functools.partial(
+        _stream_kernel, sched=sched, tile_n=cfg.tile_n, tile_k=cfg.tile_k, stages=stages, pdl=cfg.pdl and not interpret
+    )
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),

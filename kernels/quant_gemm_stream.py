@@ -67,6 +67,7 @@ class QuantStreamBlocks:
     int4_feed: str = "relabel"
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
+    pdl: bool = False  # programmatic dependent launch: as `flat_gemm_stream.StreamBlocks.pdl`
 
     def resolved(self, ns, has_offsets: bool, bits: int = 4) -> QuantStreamBlocks:
         """These blocks for weights of widths `ns` and codes of `bits`. "auto": "acc" for biased int4 codes,
@@ -100,6 +101,7 @@ class _Layout:
     scale_in: str
     feed: str  # "biased", "relabel" or "shuffle" for int4 codes (x permuted to match), "int8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
+    pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
 
     @property
     def gw(self) -> int:  # columns of one group inside a unit
@@ -245,23 +247,27 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     u1 = lax.min(u0 + per_cta, sched.units)
     nsteps = u1 - u0
 
-    def issue(j, slot):  # copy the unit of local step j into `slot`
-        u = u0 + j
-        t, kk = lax.div(u, ks), lax.rem(u, ks)
+    def issue_x(j, slot=None):  # copy x's part of the unit of local step j into `slot` (j)
+        kk = lax.rem(u0 + j, ks)
         # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
         src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
-        plgpu.copy_gmem_to_smem(src, x_smem.at[slot], produced.at[slot])
+        plgpu.copy_gmem_to_smem(src, x_smem.at[j if slot is None else slot], produced.at[j if slot is None else slot])
+
+    def issue_weights(j, slot=None):  # the weight's arrays of the unit of local step j into `slot` (j)
+        u = u0 + j
+        t, kk = lax.div(u, ks), lax.rem(u, ks)
+        slot = j if slot is None else slot
         copy_weight_unit(
             weights, sched.tiles, t, kk, layer, (tile_n, tile_k, lay.group), c_smem, group_smems, slot, produced
         )
 
+    def issue(j, slot):
+        issue_x(j, slot)
+        issue_weights(j, slot)
+
     @pl.when(wg == wgs)
     def _memory():
-        for j in range(lay.stages):  # prologue: the first `stages` units
-
-            @pl.when(j < nsteps)
-            def _():
-                issue(j, j)
+        flat_gemm_stream.pdl_prologue(lay.stages, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
 
         def refill(j, carry):
             slot = lax.rem(j, lay.stages)
@@ -430,7 +436,19 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
     stages = max(2, min(cfg.stages, fit))
     feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
     bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
-    lay = _Layout(sched, cfg.tile_n, cfg.tile_k, group, stages, cfg.compute_wgs, arrays, cfg.scale_in, feed, bias)
+    lay = _Layout(
+        sched,
+        cfg.tile_n,
+        cfg.tile_k,
+        group,
+        stages,
+        cfg.compute_wgs,
+        arrays,
+        cfg.scale_in,
+        feed,
+        bias,
+        cfg.pdl and not interpret,
+    )
     x = {"biased": permute_pairs, "relabel": permute_k}.get(feed, lambda a: a)(x)
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),

@@ -175,8 +175,12 @@ def _staged(body, ins, outs):
     pl.run_scoped(scope, *smem, plgpu.Barrier(num_arrivals=len(ins)))
 
 
-def _mosaic_norm_kernel(layer_gmem, x_gmem, w_gmem, o_gmem, *, eps: float):
-    """layer_gmem [1] int32, x_gmem [M, D], w_gmem [L, D] (the whole stack), o_gmem [M, D]: row m of the grid."""
+def _mosaic_norm_kernel(layer_gmem, x_gmem, w_gmem, o_gmem, *, eps: float, launch_dependents: bool):
+    """layer_gmem [1] int32, x_gmem [M, D], w_gmem [L, D] (the whole stack), o_gmem [M, D]: row m of the grid.
+    launch_dependents: the next kernel may start now (a GEMM that waits for it, `StreamBlocks.pdl`, loads its
+    first weight tiles meanwhile); a kernel launched the usual way still starts after this one."""
+    if launch_dependents:
+        plgpu.griddepcontrol_launch_dependents()
     m = lax.axis_index("m")
     rows = (x_gmem.at[m], w_gmem.at[layer_gmem[0]], o_gmem.at[m])  # views: the weight row is read in place
     body = functools.partial(mosaic_norm_body, eps=eps)
@@ -186,9 +190,13 @@ def _mosaic_norm_kernel(layer_gmem, x_gmem, w_gmem, o_gmem, *, eps: float):
         body(*rows)
 
 
-def _mosaic_residual_kernel(layer_gmem, p_gmem, r_gmem, w_gmem, s_gmem, o_gmem, *, eps: float, stages: int):
+def _mosaic_residual_kernel(
+    layer_gmem, p_gmem, r_gmem, w_gmem, s_gmem, o_gmem, *, eps: float, stages: int, launch_dependents: bool
+):
     """layer_gmem [1] int32, p_gmem [splits, M, D] f32, r_gmem [M, D], w_gmem [L, D] (the whole stack);
-    s_gmem, o_gmem [M, D]: row m of the grid."""
+    s_gmem, o_gmem [M, D]: row m of the grid. launch_dependents: as `_mosaic_norm_kernel`'s."""
+    if launch_dependents:
+        plgpu.griddepcontrol_launch_dependents()
     m = lax.axis_index("m")
     rows = (r_gmem.at[m], w_gmem.at[layer_gmem[0]], s_gmem.at[m], o_gmem.at[m])
     body = functools.partial(mosaic_residual_body, p_gmem.at[:, m], eps=eps, stages=stages)
@@ -292,7 +300,7 @@ def _mosaic_norm_call(x, weights, layer, *, eps: float, interpret: bool, poison:
     rows, dim = x.shape
     _mosaic_checks(dim, interpret=interpret, poison=poison)
     return plgpu.kernel(
-        functools.partial(_mosaic_norm_kernel, eps=eps),
+        functools.partial(_mosaic_norm_kernel, eps=eps, launch_dependents=not interpret),
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(rows,),
         grid_names=("m",),
@@ -312,7 +320,7 @@ def _mosaic_residual_call(
         raise ValueError(f"one split of the row ({4 * dim} bytes) and {staged} staged bytes exceed {smem_bytes=}")
     out = jax.ShapeDtypeStruct(residual.shape, residual.dtype)
     return plgpu.kernel(
-        functools.partial(_mosaic_residual_kernel, eps=eps, stages=stages),
+        functools.partial(_mosaic_residual_kernel, eps=eps, stages=stages, launch_dependents=not interpret),
         out_type=(out, out),
         grid=(rows,),
         grid_names=("m",),

@@ -180,17 +180,19 @@ LLAMA = {  # name: (M, N_i, K) of Llama-3.1-8B's projections, as the engine hand
 class TestCompiledAtLlamaShapes:
     INTERPRET = False  # conftest's fixture runs module-level tests on the CPU device: a class keeps the GPU
 
+    @pytest.mark.parametrize("pdl", [False, True])
     @pytest.mark.parametrize("fmt", ["int4", "int8"])
     @pytest.mark.parametrize("name", list(LLAMA))
-    def test_every_call_matches_reference(self, fmt, name):
+    def test_every_call_matches_reference(self, fmt, name, pdl):
         """The engine's blocks (`QuantStreamBlocks()`, every SM) at full size, three calls of one compiled
         function: a register-operand hazard once corrupted some calls and not others at these shapes, never
-        at the small ones above (docs/kernels.md)."""
+        at the small ones above (docs/kernels.md). pdl: weights loaded before griddepcontrol.wait."""
         m, ns, k = LLAMA[name]
         case = Case(m, fmt, 128, ns=ns, offsets=fmt == "int4", k=k)
         x, weights, layer = _inputs(case)
         refs = [qg.quant_gemm_reference(x, c, s, o, layer, group=128) for c, s, o in weights]
-        gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128))
+        cfg = qs.QuantStreamBlocks(pdl=pdl)
+        gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg))
         scale_in = qs.QuantStreamBlocks().resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
         for _ in range(3):
             for out, ref in zip(gemm(x, weights), refs):
@@ -220,10 +222,11 @@ def test_lowers_for_hopper_on_any_host(name):
         for n in ns
     )
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    cfg = qs.QuantStreamBlocks(ctas=132)
+    cfg = qs.QuantStreamBlocks(ctas=132, pdl=name == "int4_g128_offsets_m1_qkv")  # one with pdl
     op = lambda x, w, l: qs.quant_gemm_multi(x, w, l, group=group, block_sizes=cfg)
     text = jax.jit(op).trace(x, weights, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in text.as_text()
+    assert ("griddepcontrol" in text.as_text()) == cfg.pdl  # weights before the wait, x after
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ CASES = {
     "one_m1_many_ctas": (1, 1024, (64,), fs.StreamBlocks(tile_n=64, tile_k=128, stages=2, ctas=8)),
     "m19_cta_per_unit": (19, 256, (128,), fs.StreamBlocks(tile_n=64, tile_k=128, stages=2, ctas=7)),
     "m64_two_ctas": (64, 384, (64, 64), fs.StreamBlocks(tile_n=64, tile_k=128, stages=2, ctas=2)),
+    # weights loaded before griddepcontrol.wait, x after (compiled; the interpreter ignores pdl)
+    "qkv_m5_pdl": (5, 512, (192, 64, 128), fs.StreamBlocks(tile_n=64, tile_k=128, stages=2, ctas=5, pdl=True)),
 }
 
 
@@ -99,6 +101,31 @@ class TestStream:
 
         out = run(lambda c, l: fs.flat_gemm_multi(c, (w,), l, block_sizes=SMALL, interpret=self.INTERPRET)[0])
         _close(out, run(lambda c, l: fs.flat_gemm_multi_reference(c, (w,), l)[0]))
+
+    def test_pdl_reads_x_after_the_previous_kernel(self):
+        """With pdl each call may start before the previous kernel ends: each x is the previous call's output
+        (through XLA's combine), so an x read before griddepcontrol.wait would show. Llama-3.1-8B's o shape."""
+        if self.INTERPRET:
+            pytest.skip("the interpreter ignores pdl (test_loop_over_layers_reads_each_layer covers the rest)")
+        m, k, layers = 1, 4096, 6
+        x, (w,) = _inputs(m, k, (k,), layers=layers, seed=3)
+        pdl = fs.StreamBlocks(pdl=True)
+
+        def run(gemm):
+            return jax.jit(lambda x: jax.lax.fori_loop(0, layers, lambda l, c: gemm(c, l), x))(x)
+
+        out = run(lambda c, l: fs.flat_gemm_multi(c, (w,), l, block_sizes=pdl, interpret=self.INTERPRET)[0])
+        _close(out, run(lambda c, l: fs.flat_gemm_multi_reference(c, (w,), l)[0]))
+
+
+def test_pdl_lowers_for_hopper_with_one_wait():
+    """Lowered for CUDA on any host: with pdl the kernel holds griddepcontrol.wait, without it none."""
+    x = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 4096, 4096), jnp.bfloat16)
+    for pdl in (False, True):
+        op = lambda x, w, l: fs.flat_gemm_multi(x, (w,), l, block_sizes=fs.StreamBlocks(ctas=132, pdl=pdl))  # noqa: B023
+        text = jax.jit(op).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+        assert ("griddepcontrol" in text.as_text()) == pdl
 
 
 class TestStreamInterpret(TestStream):

@@ -42,10 +42,12 @@ def kernel_stacked_dot(
     *,
     impl: str | None = None,
     block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(),
+    pdl: bool = False,
     interpret: bool = False,
 ):
     """The `stacked_dot` hook of the engine: x [M, K] · stack[index] ([L, K, N]) with the stack
-    read in place by `kernels.flat_gemm`, or None (the caller then runs the plain dot).
+    read in place by `kernels.flat_gemm`, or None (the caller then runs the plain dot). pdl: the Stream-K
+    kernel loads its first weight tiles before the previous kernel ends (`StreamBlocks.pdl`).
 
     `impl=None` asks `kernels.dispatch.choose_gemm(looped=True)` (see `_gemm_impl`). An explicit
     `impl` (tests: "triton" with `interpret=True`) skips the checks. The Triton kernels' result is a
@@ -60,7 +62,7 @@ def kernel_stacked_dot(
         return None
     if impl == "stream":
         return flat_gemm_stream.flat_gemm_multi(
-            x, (stack,), index, block_sizes=_stream_blocks(block_sizes), interpret=interpret
+            x, (stack,), index, block_sizes=_stream_blocks(block_sizes, pdl), interpret=interpret
         )[0]
     if impl in ("gemv", "triton"):  # batch-major partials: left unsummed for a hook that adds them itself
         parts = flat_gemm.flat_gemm_partials(x, stack, index, impl=impl, block_sizes=block_sizes, interpret=interpret)
@@ -215,9 +217,9 @@ def kernel_mlp(
     return [y.reshape(*lead, d)]
 
 
-def _stream_blocks(block_sizes: flat_gemm.BlockSizes) -> flat_gemm_stream.StreamBlocks:
+def _stream_blocks(block_sizes: flat_gemm.BlockSizes, pdl: bool = False) -> flat_gemm_stream.StreamBlocks:
     """The Stream-K kernel's tiles for a dispatch decision made with `block_sizes`' tiles."""
-    return flat_gemm_stream.StreamBlocks(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k)
+    return flat_gemm_stream.StreamBlocks(tile_n=block_sizes.tile_n, tile_k=block_sizes.tile_k, pdl=pdl)
 
 
 def kernel_swiglu(
@@ -228,6 +230,7 @@ def kernel_swiglu(
     impl: str | None = None,
     block_sizes: flat_gemm.BlockSizes = flat_gemm.BlockSizes(),
     quant_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
+    pdl: bool = False,
     interpret: bool = False,
 ):
     """The `stacked_calls["swiglu"]` hook: `model.swiglu` as one `kernels.flat_gemm_swiglu` call that
@@ -237,7 +240,8 @@ def kernel_swiglu(
     kernel computes silu·mul in f32 before one rounding; the model rounds g and u first. Quantized
     weights arrive as their leaves (codes, scales(, offsets) each): both go to one
     `kernels.quant_gemm_stream` launch (impl None on Hopper, or "stream"); where it declines, their
-    dots go to `kernel_quant_dot` one by one.
+    dots go to `kernel_quant_dot` one by one. pdl: the dense Stream-K launch as `kernel_stacked_dot`'s
+    (quantized: `quant_blocks.pdl`).
     """
     if quantized:
         weights = quantized_weights((w_gate, w_up, *quantized), 2)
@@ -259,7 +263,7 @@ def kernel_swiglu(
             (w_gate.stack, w_up.stack),
             w_gate.index,
             out_dtype=jnp.float32,
-            block_sizes=_stream_blocks(block_sizes),
+            block_sizes=_stream_blocks(block_sizes, pdl),
             interpret=interpret,
         )  # [M, F] each
         return [(jax.nn.silu(g) * u).astype(x.dtype).reshape(*lead, f)]

@@ -325,6 +325,8 @@ def combine_call(acc, l, m, *, group: int, out_dtype, interpret: bool = False, p
         )
 
     def kernel(*gmem):  # acc, l, m, o
+        if not interpret:  # the o GEMM after it may start now (if it waits: `StreamBlocks.pdl`), to load weights
+            plgpu.griddepcontrol_launch_dependents()
         indices = (lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c"))
         pl.run_scoped(lambda *refs: combine_body(*indices, *gmem, refs), *combine_scratch(rows_out, out_dtype))
 
