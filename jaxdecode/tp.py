@@ -134,13 +134,12 @@ def quantized_specs(state, global_specs, local_specs):
         offsets = None if w.offsets is None else jax.ShapeDtypeStruct(group.shape, w.offsets.dtype)
         return dataclasses.replace(w, codes=jax.ShapeDtypeStruct((n, k), w.codes.dtype), scales=group, offsets=offsets)
 
-    trees = [
+    return tuple(
         jax.tree_util.tree_map_with_path(
             lambda path, w, g, loc: convert(path, w, g, loc, i), state, global_specs, local_specs, is_leaf=is_quantized
         )
         for i in (0, 1)
-    ]
-    return trees[0], trees[1]
+    )
 
 
 class TPForward:

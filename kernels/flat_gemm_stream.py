@@ -102,8 +102,8 @@ def default_ctas() -> int:
 
 def pdl_prologue(stages: int, issue_weights, issue_x, nsteps, *, pdl: bool) -> None:
     """The first `stages` units' copies: with `pdl` every weight copy first, then `griddepcontrol.wait` (the
-    previous kernel done: x is written), then x's; without, unit by unit. `issue_weights(j)` and
-    `issue_x(j)` copy unit j into slot j."""
+    previous kernel done: x is written), then x's; without, unit by unit. `issue_weights(j, slot)` and
+    `issue_x(j, slot)` copy unit j into `slot`, here slot j."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -116,7 +116,7 @@ def pdl_prologue(stages: int, issue_weights, issue_x, nsteps, *, pdl: bool) -> N
             @pl.when(j < nsteps)
             def _():
                 for copy in copies:
-                    copy(j)
+                    copy(j, j)
 
 
 def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile_k: int, stages: int, pdl: bool):
@@ -135,14 +135,13 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
     nsteps = u1 - u0
 
     def scoped(x_smem, w_smem, out_smem, bars):
-        def issue_x(j, slot=None):  # start loading x's part of the unit of local step j into `slot` (j)
+        def issue_x(j, slot):  # start loading x's part of the unit of local step j into `slot`
             kk = lax.rem(u0 + j, ks)
             # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
             src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
-            plgpu.copy_gmem_to_smem(src, x_smem.at[j if slot is None else slot], bars.at[j if slot is None else slot])
+            plgpu.copy_gmem_to_smem(src, x_smem.at[slot], bars.at[slot])
 
-        def issue_weights(j, slot=None):  # the weight tile of the unit of local step j into `slot` (j)
-            slot = j if slot is None else slot
+        def issue_weights(j, slot):  # the weight tile of the unit of local step j into `slot`
             u = u0 + j
             t, kk = lax.div(u, ks), lax.rem(u, ks)
             ksl = pl.ds(kk * tile_k, tile_k)

@@ -247,16 +247,15 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     u1 = lax.min(u0 + per_cta, sched.units)
     nsteps = u1 - u0
 
-    def issue_x(j, slot=None):  # copy x's part of the unit of local step j into `slot` (j)
+    def issue_x(j, slot):  # copy x's part of the unit of local step j into `slot`
         kk = lax.rem(u0 + j, ks)
         # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
         src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
-        plgpu.copy_gmem_to_smem(src, x_smem.at[j if slot is None else slot], produced.at[j if slot is None else slot])
+        plgpu.copy_gmem_to_smem(src, x_smem.at[slot], produced.at[slot])
 
-    def issue_weights(j, slot=None):  # the weight's arrays of the unit of local step j into `slot` (j)
+    def issue_weights(j, slot):  # the weight's arrays of the unit of local step j into `slot`
         u = u0 + j
         t, kk = lax.div(u, ks), lax.rem(u, ks)
-        slot = j if slot is None else slot
         copy_weight_unit(
             weights, sched.tiles, t, kk, layer, (tile_n, tile_k, lay.group), c_smem, group_smems, slot, produced
         )
