@@ -9,6 +9,12 @@ One format serves every source, so one kernel family reads them all:
 - `scales`, `offsets` [K/G, N]: one row per group, so a group's N scales are one contiguous vector the
   kernel multiplies into its accumulator rows. `offsets` is None for symmetric formats (int8, Q8_0, ...).
 - G, the group size, is K / scales.shape[-2]; stacked layers add a leading [L] to all three.
+- Int4 codes whose groups are whole 32-column blocks are stored in the Hopper kernels' K order
+  (`in_kernel_order`): within each 32-column block the columns are permuted the way the kernel hands
+  converted registers to wgmma (`kernels.quant_gemm.permute_k`, its own inverse). The kernel then
+  takes x as it is, where codes in the weight's own order would need x permuted before every call (an
+  XLA transpose per quantized GEMM). Scales and offsets are per group, so they do not move; every
+  reader here (`dequantize_rows`, `embed_rows`, the CPU placement) undoes the order.
 
 Sources: `quantize` (round to nearest, `--quantize int8|int4`) and
 `jaxdecode.weights.gguf_repack` (GGUF blocks repacked without loss into this layout). The logical shape
@@ -22,6 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kernels.quant_gemm import permute_k
 
 Array = jax.Array
 
@@ -37,10 +45,21 @@ class QuantizedWeight:
     `fmt` names where it came from ("int4", "int8" for `quantize`; a GGUF type such as "Q4_K"), for
     reports; the arithmetic depends only on the arrays."""
 
-    codes: Array  # [..., N, K] int4 | int8
+    codes: Array  # [..., N, K] int4 | int8, stored order (`in_kernel_order`)
     scales: Array  # [..., K/G, N] float
     offsets: Array | None  # [..., K/G, N] float, or None
     fmt: str = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def from_codes(cls, codes, scales, offsets, fmt: str) -> QuantizedWeight:
+        """The weight whose codes [..., N, K] are given in its own K order, stored as the layout says."""
+        if in_kernel_order(codes, scales):
+            codes = permute_k(codes)
+        return cls(codes, scales, offsets, fmt)
+
+    def natural_codes(self) -> Array:
+        """The codes [..., N, K] in the weight's own K order."""
+        return permute_k(self.codes) if in_kernel_order(self.codes, self.scales) else self.codes
 
     @property
     def group(self) -> int:
@@ -68,9 +87,20 @@ class QuantizedWeight:
         widened to int8 (the same values, twice the bytes): XLA:CPU converts int4 to float about three
         times slower than int8, and the CPU `quant_dot` converts every code of a step."""
         placed = jax.tree.map(jnp.asarray, self)
-        if jax.default_backend() == "cpu" and placed.codes.dtype == jnp.int4:
-            placed = dataclasses.replace(placed, codes=placed.codes.astype(jnp.int8))
+        if jax.default_backend() == "cpu" and placed.codes.dtype == jnp.int4:  # int8 codes are in K order
+            placed = dataclasses.replace(placed, codes=placed.natural_codes().astype(jnp.int8))
         return placed
+
+
+KERNEL_ORDER_BLOCK = 32  # columns per block of `permute_k`
+
+
+def in_kernel_order(codes, scales) -> bool:
+    """Whether codes [..., N, K] with scales [..., K/G, N] are stored in the Hopper kernels' K order:
+    int4 codes whose group G is a whole number of `permute_k`'s 32-column blocks (a group then keeps
+    its columns, so the scales do not move). Int8 codes, and int4 codes in groups of 16, are in K order."""
+    group = codes.shape[-1] // scales.shape[-2]
+    return jnp.dtype(codes.dtype) == jnp.int4 and group % KERNEL_ORDER_BLOCK == 0
 
 
 def is_quantized(w) -> bool:
@@ -97,6 +127,8 @@ def dequantize_rows(codes: Array, scales: Array, offsets: Array | None) -> Array
     """codes [..., N, K], scales (offsets) [..., K/G, N] → w [..., N, K] float32 (rows of the weight's transpose)."""
     *lead, n, k = codes.shape
     groups = scales.shape[-2]
+    if in_kernel_order(codes, scales):
+        codes = permute_k(codes)
     c = codes.astype(jnp.float32).reshape(*lead, n, groups, k // groups)  # [..., N, K/G, G]
     w = c * jnp.swapaxes(scales, -1, -2).astype(jnp.float32)[..., None]  # [..., N, K/G, G]
     if offsets is not None:
@@ -180,6 +212,8 @@ def embed_rows(w, ids: Array, dtype) -> Array:
     if not isinstance(w, QuantizedWeight):
         return jnp.take(w, ids, axis=0).astype(dtype)
     codes = jnp.take(w.codes, ids, axis=0)  # [..., D]
+    if in_kernel_order(w.codes, w.scales):
+        codes = permute_k(codes)
     scales = jnp.take(w.scales, ids, axis=1)  # [D/G, ...]
     offsets = None if w.offsets is None else jnp.take(w.offsets, ids, axis=1)
     d, groups = codes.shape[-1], scales.shape[0]
@@ -210,13 +244,13 @@ def quantize(w, fmt: str, group: int = DEFAULT_GROUP) -> QuantizedWeight:
         amax = jnp.max(jnp.abs(g), axis=-1)  # [..., N, K/G]
         scale = jnp.where(amax > 0, amax / 127, 1.0)
         codes = jnp.clip(jnp.round(g / scale[..., None]), -127, 127).reshape(rows.shape)  # [..., N, K]
-        return QuantizedWeight(codes.astype(jnp.int8), jnp.swapaxes(scale, -1, -2), None, fmt)
+        return QuantizedWeight.from_codes(codes.astype(jnp.int8), jnp.swapaxes(scale, -1, -2), None, fmt)
     lo, hi = jnp.min(g, axis=-1), jnp.max(g, axis=-1)  # [..., N, K/G]
     scale = jnp.where(hi > lo, (hi - lo) / 15, 1.0)
     codes = jnp.clip(jnp.round((g - lo[..., None]) / scale[..., None]), 0, 15) - 8  # [..., N, K/G, G]
     offset = lo + 8 * scale
     t = lambda a: jnp.swapaxes(a, -1, -2)  # [..., N, K/G] -> [..., K/G, N]
-    return QuantizedWeight(codes.reshape(rows.shape).astype(jnp.int4), t(scale), t(offset), fmt)
+    return QuantizedWeight.from_codes(codes.reshape(rows.shape).astype(jnp.int4), t(scale), t(offset), fmt)
 
 
 def weight_bytes(w) -> int:

@@ -342,11 +342,20 @@ def _offset_term(x, offsets, layer, group: int):
     return jnp.dot(xsum, off, precision=lax.Precision.HIGHEST)  # [M, N]
 
 
+def permute_k(a):
+    """a [..., K] with columns 32b + 8c + 2t + e moved to 32b + 8t + 2c + e (K a multiple of 32): the K
+    order in which `quant_gemm_stream` hands converted int4 registers to wgmma. Its own inverse."""
+    *lead, k = a.shape
+    return a.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public op
 
 
-@functools.partial(jax.jit, static_argnames=("group", "impl", "block_sizes", "interpret", "out_dtype"))
+@functools.partial(
+    jax.jit, static_argnames=("group", "impl", "block_sizes", "permuted_codes", "interpret", "out_dtype")
+)
 def quant_gemm(
     x: jax.Array,  # [M, K]
     codes: jax.Array,  # [L, N, K] or [N, K], int4 / int8
@@ -357,12 +366,14 @@ def quant_gemm(
     group: int,
     impl: str = "mosaic",
     block_sizes: QuantBlocks = QuantBlocks(),
+    permuted_codes: bool = False,
     interpret: bool = False,
     out_dtype=None,
 ) -> jax.Array:
     """y [M, N] = x · dequantize(codes, scales, offsets)[layer], f32 accumulation, cast to out_dtype
     (default x.dtype). The stacked codes are read in place (no copy of layer l); the kernel does not
-    clamp `layer`, which must lie in [0, L).
+    clamp `layer`, which must lie in [0, L). permuted_codes: the codes' columns are in `permute_k`
+    order (whole 32-column groups; x is permuted to match, which leaves the group sums alone).
 
     Equivalent to the following JAX code:
 
@@ -371,6 +382,10 @@ def quant_gemm(
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     codes, scales, offsets, layer = _stacked(codes, scales, offsets, layer)
+    if permuted_codes:
+        if group % 32:
+            raise UntiledShape(f"permuted_codes needs groups of whole 32-column blocks, got G={group}")
+        x = permute_k(x)
     if impl == "xla":
         return quant_gemm_reference(x, codes, scales, offsets, layer, group=group, out_dtype=out_dtype)
     if impl != "mosaic":

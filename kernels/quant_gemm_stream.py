@@ -42,7 +42,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
-from kernels.quant_gemm import UntiledShape, code_bits, load_width, mma_from_registers, smem_transforms, tile_k_fits
+from kernels.quant_gemm import (
+    UntiledShape,
+    code_bits,
+    load_width,
+    mma_from_registers,
+    permute_k,
+    smem_transforms,
+    tile_k_fits,
+)
 
 MAX_M = 64  # batch rows: the x tile and the accumulators grow with M8 (prefill goes elsewhere)
 
@@ -123,13 +131,8 @@ class _Layout:
 # for a dot product as long as x is in the same order. So the upcast registers are relabelled as they
 # are (register column block b, element 2t + e becomes column 8t + 2c + e of block b), which makes the
 # operand wgmma sees W'[:, 32b + 8t + 2c + e] = W[:, 32b + 8c + 2t + e], and x is permuted the same way
-# once per call (`permute_k`, its own inverse). A group of G >= 32 columns keeps its columns.
-
-
-def permute_k(a):
-    """a [..., K] with columns 32b + 8c + 2t + e moved to 32b + 8t + 2c + e (K a multiple of 32)."""
-    *lead, k = a.shape
-    return a.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
+# once per call (`quant_gemm.permute_k`, its own inverse), or the codes are stored in that order
+# (`permuted_codes`). A group of G >= 32 columns keeps its columns.
 
 
 # Biased codes. Mosaic GPU's exact int4 → bf16 conversion spends three instructions on two codes: a byte
@@ -408,9 +411,13 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"tile_k={cfg.tile_k} does not tile G={group} for {first[0].dtype} codes")
 
 
-def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBlocks, interpret: bool = False):
+def quant_stream_partials(
+    x, weights, layer, *, group: int, cfg: QuantStreamBlocks, permuted_codes: bool = False, interpret: bool = False
+):
     """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are.
-    x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None)."""
+    x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None).
+    permuted_codes: the codes' columns are in `permute_k` order (int4 codes in whole 32-column groups,
+    as `jaxdecode.quantized` stores them), so the relabelling feed takes x as it is."""
     weights = tuple(tuple(w) for w in weights)
     cfg = cfg.resolved([c.shape[1] for c, _, _ in weights], weights[0][2] is not None, code_bits(weights[0][0].dtype))
     _check(x, weights, group, cfg)
@@ -448,7 +455,11 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
         bias,
         cfg.pdl and not interpret,
     )
-    x = {"biased": permute_pairs, "relabel": permute_k}.get(feed, lambda a: a)(x)
+    if permuted_codes and (feed == "int8" or group % 32):
+        raise UntiledShape(f"permuted_codes needs int4 codes in groups of 32 columns, got {bits}-bit codes, G={group}")
+    if not (permuted_codes and feed == "relabel"):  # relabelling stored-permuted codes undoes the order
+        x = permute_k(x) if permuted_codes else x  # x in the codes' stored order, then in the feed's
+        x = {"biased": permute_pairs, "relabel": permute_k}.get(feed, lambda a: a)(x)
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),
         plgpu.SMEM(
@@ -484,7 +495,7 @@ def quant_stream_partials(x, weights, layer, *, group: int, cfg: QuantStreamBloc
 # Public op
 
 
-@functools.partial(jax.jit, static_argnames=("group", "out_dtype", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "out_dtype", "block_sizes", "permuted_codes", "interpret"))
 def quant_gemm_multi(
     x: jax.Array,  # [M, K]
     weights,  # tuple of (codes [L, N_i, K] or [N_i, K], scales [L, K/G, N_i] or [K/G, N_i], offsets or None)
@@ -493,10 +504,12 @@ def quant_gemm_multi(
     group: int,
     out_dtype=None,
     block_sizes: QuantStreamBlocks = QuantStreamBlocks(),
+    permuted_codes: bool = False,
     interpret: bool = False,
 ):
     """(x · dequantize(codes, scales, offsets)[layer] for each weight) in one launch, each [M, N_i] in
     out_dtype (default x.dtype); f32 accumulation of weights rounded to x's dtype, one rounding at the end.
+    permuted_codes: as `quant_stream_partials` (the reference then reads `permute_k(codes)`).
 
     Equivalent to the following JAX code, up to that rounding of each scaled weight:
 
@@ -510,7 +523,9 @@ def quant_gemm_multi(
         layer = 0
     elif layer is None:
         raise ValueError("stacked codes [L, N, K] need a layer index")
-    partials, sched = quant_stream_partials(x, weights, layer, group=group, cfg=block_sizes, interpret=interpret)
+    partials, sched = quant_stream_partials(
+        x, weights, layer, group=group, cfg=block_sizes, permuted_codes=permuted_codes, interpret=interpret
+    )
     tile_n = partials.shape[1] // sched.tile_count
     y = flat_gemm_stream.combine(partials, sched, tile_n, x.shape[0])  # [M, ΣN] f32
     bounds = np.cumsum([w[0].shape[1] for w in weights])[:-1]

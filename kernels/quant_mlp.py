@@ -47,8 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
-from kernels.quant_gemm import UntiledShape, code_bits, load_width, mma_from_registers, smem_transforms
-from kernels.quant_gemm_stream import copy_weight_unit, permute_k, relabel_as_wgmma
+from kernels.quant_gemm import UntiledShape, code_bits, load_width, mma_from_registers, permute_k, smem_transforms
+from kernels.quant_gemm_stream import copy_weight_unit, relabel_as_wgmma
 
 MAX_M = 8  # batch rows: the fixup's h block [M8, 64] per warpgroup and the accumulators are sized for M8 = 8
 TILE = 256  # weight rows per unit (4 compute warpgroups of 64) = h's columns per fixup block = down's tile_k
@@ -372,7 +372,7 @@ def _check(x, gate, up, down, group: int, cfg: QuantMLPBlocks) -> None:
         raise UntiledShape(f"gate_up_feed must be 'relabel' or 'shuffle', got {cfg.gate_up_feed!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("group", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "block_sizes", "permuted_codes", "interpret"))
 def quant_mlp(
     x: jax.Array,  # [M, D]
     gate,  # (codes [L, F, D], scales [L, D/G, F], offsets or None)
@@ -382,9 +382,11 @@ def quant_mlp(
     *,
     group: int,
     block_sizes: QuantMLPBlocks = QuantMLPBlocks(),
+    permuted_codes: bool = False,
     interpret: bool = False,
 ):
     """down(silu(x·gate) · (x·up)) for layer `layer` of quantized stacks, one kernel launch: [M, D] in x's dtype.
+    permuted_codes: int4 codes stored in `quant_gemm.permute_k` order (as `jaxdecode.quantized` keeps them).
 
     Equivalent to the following JAX code, up to the kernel's rounding of each scaled weight to x's dtype
     and its f32 sums in another order (h is rounded to x's dtype, as the model rounds it):
@@ -393,10 +395,20 @@ def quant_mlp(
       h = (jax.nn.silu(g) * u).astype(x.dtype)
       quant_gemm.quant_gemm_reference(h, *down, layer, group=group)
     """
-    return quant_mlp_stages(x, gate, up, down, layer, group=group, block_sizes=block_sizes, interpret=interpret)[0]
+    return quant_mlp_stages(
+        x,
+        gate,
+        up,
+        down,
+        layer,
+        group=group,
+        block_sizes=block_sizes,
+        permuted_codes=permuted_codes,
+        interpret=interpret,
+    )[0]
 
 
-@functools.partial(jax.jit, static_argnames=("group", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "block_sizes", "permuted_codes", "interpret"))
 def quant_mlp_stages(
     x: jax.Array,  # [M, D]
     gate,  # (codes [L, F, D], scales [L, D/G, F], offsets or None)
@@ -406,6 +418,7 @@ def quant_mlp_stages(
     *,
     group: int,
     block_sizes: QuantMLPBlocks = QuantMLPBlocks(),
+    permuted_codes: bool = False,
     interpret: bool = False,
 ):
     """`quant_mlp`'s launch, with what each phase left in HBM: (y [M, D] in x's dtype, h [M, F] in x's
@@ -430,10 +443,13 @@ def quant_mlp_stages(
     if fit < 2:
         raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={block_sizes.smem_bytes}")
     stages = max(2, min(block_sizes.stages, fit))
+    if permuted_codes and bits == 8:
+        raise UntiledShape("permuted_codes applies to int4 codes only")
     feed_a = "int8" if bits == 8 else block_sizes.gate_up_feed
-    feed_b = "int8" if bits == 8 else "shuffle"
+    # down's x is h, made in the kernel in its own order: stored-permuted codes are relabelled back
+    feed_b = "int8" if bits == 8 else "relabel" if permuted_codes else "shuffle"
     lay = _Layout(_Phase(sched_a, feed_a), _Phase(sched_b, feed_b), group, stages, arrays, ctas, interpret)
-    x_in = permute_k(x) if feed_a == "relabel" else x
+    x_in = permute_k(x) if (feed_a == "relabel") != permuted_codes else x
     if not flat_gemm_stream.tma_reads_unpadded(m):
         x_in = jnp.pad(x_in, ((0, m8 - m), (0, 0)))
     gu_acc = jax.new_ref(jnp.zeros((2 * f, m8), jnp.float32))

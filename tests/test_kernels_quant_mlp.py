@@ -28,14 +28,17 @@ ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_
 ATOL = 19 * 2.0**-8
 RTOL = 2.0**-7
 
-CASES = {  # name: (codes, group, offsets, M, D, F, gate/up feed)
-    "int4_g128_offsets_m1_relabel": ("int4", 128, True, 1, 256, 512, "relabel"),
-    "int4_g32_offsets_m5_shuffle": ("int4", 32, True, 5, 256, 512, "shuffle"),
-    "int4_g128_m3_two_ksteps_three_blocks": ("int4", 128, True, 3, 512, 768, "relabel"),
-    "int8_g128_m8": ("int8", 128, False, 8, 256, 512, "relabel"),
+CASES = {  # name: (codes, group, offsets, M, D, F, gate/up feed, codes stored in permute_k order)
+    "int4_g128_offsets_m1_relabel": ("int4", 128, True, 1, 256, 512, "relabel", False),
+    "int4_g32_offsets_m5_shuffle": ("int4", 32, True, 5, 256, 512, "shuffle", False),
+    "int4_g128_m3_two_ksteps_three_blocks": ("int4", 128, True, 3, 512, 768, "relabel", False),
+    "int8_g128_m8": ("int8", 128, False, 8, 256, 512, "relabel", False),
+    # as the engine stores int4 codes: gate/up's x and down's h (made in the kernel) taken as they are
+    "int4_g128_offsets_m1_relabel_permuted": ("int4", 128, True, 1, 256, 512, "relabel", True),
+    "int4_g32_m5_shuffle_permuted": ("int4", 32, False, 5, 256, 512, "shuffle", True),
 }
 
-HOOK_CASE = "int4_g128_offsets_m1_relabel"
+HOOK_CASE = "int4_g128_offsets_m1_relabel_permuted"  # the hook reads int4 codes as the engine stores them
 
 _RUN = r"""
 import json, sys
@@ -53,7 +56,7 @@ def weights(key, n, k, codes, group, offsets):
     return c, s, o
 
 out = {}
-for name, (codes, group, offsets, m, d, f, feed) in json.loads(sys.argv[1]).items():
+for name, (codes, group, offsets, m, d, f, feed, permuted) in json.loads(sys.argv[1]).items():
     gate, up = (weights(jax.random.key(i), f, d, codes, group, offsets) for i in (1, 2))
     down = weights(jax.random.key(3), d, f, codes, group, offsets)
     x = jax.random.normal(jax.random.key(0), (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -61,7 +64,11 @@ for name, (codes, group, offsets, m, d, f, feed) in json.loads(sys.argv[1]).item
     h = (jax.nn.silu(g) * u).astype(x.dtype)
     ref = qg.quant_gemm_reference(h, *down, 1, group=group, out_dtype=jnp.float32)
     blocks = qm.QuantMLPBlocks(gate_up_feed=feed)
-    y = qm.quant_mlp(x, gate, up, down, jnp.int32(1), group=group, block_sizes=blocks, interpret=True)
+    if permuted:
+        gate, up, down = ((qg.permute_k(c), s, o) for c, s, o in (gate, up, down))
+    y = qm.quant_mlp(
+        x, gate, up, down, jnp.int32(1), group=group, block_sizes=blocks, permuted_codes=permuted, interpret=True
+    )
     out[name] = dict(y=np.asarray(y, np.float32).tolist(), ref=np.asarray(ref).tolist())
     if name == HOOK_CASE:  # the engine's hook on the same stacks, as the looped decode hands them over: x [B, T, D]
         from jaxdecode.hooks import kernel_mlp

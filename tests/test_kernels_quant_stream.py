@@ -47,6 +47,7 @@ class Case:
     k: int = 512
     feed: str = "biased"  # int4_feed
     x: str = "bfloat16"
+    permuted: bool = False  # codes stored in permute_k order (permuted_codes=True), as the engine keeps int4
 
     @property
     def g(self) -> int:
@@ -72,6 +73,13 @@ CASES = {
     # x padded to 16 rows
     "int4_g32_m10_padded_w_offsets": Case(10, "int4", 32, offsets=True, scale_in="w", feed="relabel"),
     "int8_g128_m19_qkv": Case(19, "int8", 128, ns=(256, 128, 128)),
+    # codes stored permuted: the relabel feed takes x as it is, the others permute it first
+    "int4_g128_m1_relabel_permuted_offsets": Case(1, "int4", 128, offsets=True, feed="relabel", permuted=True),
+    "int4_g32_m5_qkv_relabel_permuted_w": Case(
+        5, "int4", 32, ns=(256, 128, 128), feed="relabel", scale_in="w", permuted=True
+    ),
+    "int4_g128_m5_shuffle_permuted": Case(5, "int4", 128, feed="shuffle", permuted=True),
+    "int4_g32_m1_biased_permuted_offsets": Case(1, "int4", 32, offsets=True, permuted=True),
 }
 # 8 CTAs off the GPU; K = 512 is 4 units per tile, so tiles span two or three CTAs
 BLOCKS = qs.QuantStreamBlocks(tile_n=128, tile_k=128, stages=2, ctas=8)
@@ -129,8 +137,15 @@ class TestQuantStream:
     def test_matches_reference(self, name):
         case = CASES[name]
         x, weights, layer = _inputs(case)
+        stored = tuple((qg.permute_k(c), s, o) for c, s, o in weights) if case.permuted else weights
         outs = qs.quant_gemm_multi(
-            x, weights, layer, group=case.g, block_sizes=self._blocks(case), interpret=self.INTERPRET
+            x,
+            stored,
+            layer,
+            group=case.g,
+            block_sizes=self._blocks(case),
+            permuted_codes=case.permuted,
+            interpret=self.INTERPRET,
         )
         assert len(outs) == len(weights)
         for out, (c, s, o) in zip(outs, weights):

@@ -37,8 +37,9 @@ F32_EPS = 2.0**-24  # float32 unit roundoff
 
 
 def _dense(qw: QuantizedWeight) -> np.ndarray:
-    """The format's formula in float64 numpy: w[k, n] = s[k // G, n] · codes[n, k] + o[k // G, n]."""
-    codes = np.asarray(qw.codes).astype(np.float64)  # [N, K]
+    """The format's formula in float64 numpy: w[k, n] = s[k // G, n] · codes[n, k] + o[k // G, n], codes
+    in the weight's own K order."""
+    codes = np.asarray(qw.natural_codes()).astype(np.float64)  # [N, K]
     g = codes.shape[1] // qw.scales.shape[0]
     s = np.repeat(np.asarray(qw.scales, np.float64), g, axis=0)  # [K, N]
     o = 0.0 if qw.offsets is None else np.repeat(np.asarray(qw.offsets, np.float64), g, axis=0)
@@ -71,10 +72,15 @@ def test_int4_quantizes_min_to_max_over_16_levels_per_group():
     scale = (hi - lo) / 15
     np.testing.assert_allclose(np.asarray(qw.scales), scale, rtol=F32_EPS * 8)
     np.testing.assert_allclose(np.asarray(qw.offsets), lo + 8 * scale, rtol=F32_EPS * 8, atol=F32_EPS * 8)
-    codes = np.asarray(qw.codes).astype(np.int32).T.reshape(2, 32, 24)
+    codes = np.asarray(qw.natural_codes()).astype(np.int32).T.reshape(2, 32, 24)
     assert codes.min() == -8 and codes.max() == 7  # both extremes of every group are on the grid
     want = np.round((groups - lo[:, None]) / scale[:, None]) - 8
     np.testing.assert_array_equal(codes, want)
+    # stored in the kernels' order: column 32b + 8t + 2c + e holds the weight's column 32b + 8c + 2t + e
+    b, r = np.divmod(np.arange(64), 32)
+    t, c, e = r // 8, r % 8 // 2, r % 2
+    stored = np.asarray(qw.codes).astype(np.int32)  # [N, K]
+    np.testing.assert_array_equal(stored, want.reshape(64, 24).T[:, 32 * b + 8 * c + 2 * t + e])
     step = np.repeat(scale, 32, axis=0)
     assert np.all(np.abs(_dense(qw) - w) <= step * (0.5 + 1e-5))
     assert qw.nbytes == 24 * 64 // 2 + 2 * 24 * 8
@@ -293,7 +299,7 @@ def test_cpu_quant_dot_equals_the_float64_dot(monkeypatch, codes_dtype, with_off
     x = rng.normal(size=(2, 5, 96)).astype(np.float32)
     got = np.asarray(matmul(jnp.asarray(x), qw))
     quant_dot.clear_cache()  # later tests trace with the default tile size
-    sc = np.abs(np.asarray(codes).astype(np.float64).T * np.repeat(scales, 32, axis=0))  # |s·c| [K, N]
+    sc = np.abs(np.asarray(qw.natural_codes()).astype(np.float64).T * np.repeat(scales, 32, axis=0))  # |s·c| [K, N]
     o = 0.0 if offsets is None else np.abs(np.repeat(offsets, 32, axis=0))
     bound = (96 + 2) * F32_EPS * (np.abs(x) @ (sc + o))
     assert got.shape == (2, 5, 40)
@@ -334,6 +340,18 @@ def test_device_put_widens_int4_codes_on_the_cpu():
     np.testing.assert_array_equal(np.asarray(qw.codes), np.arange(-8, 8).reshape(2, 8))
 
 
+def test_device_put_on_the_cpu_puts_permuted_int4_codes_back_in_k_order():
+    """Int4 codes in groups of 32 are stored in the kernels' K order; widened to int8 on the CPU, they
+    are put back in the weight's own order (int8 codes are never permuted), and the weight is unchanged."""
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(64, 8)).astype(np.float32)  # [K, N]
+    qw = quantize(w, "int4", group=32)
+    placed = qw.device_put()
+    assert placed.codes.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(placed.codes), np.asarray(qw.natural_codes()).astype(np.int8))
+    np.testing.assert_array_equal(np.asarray(placed.dequantize()), np.asarray(qw.dequantize()))
+
+
 def test_a_model_quantized_on_load_is_placed_and_quantize_weights_keeps_the_stored_format():
     """`load_model(quantize="int4")` widens the codes on the CPU as a GGUF file's are; `quantize_weights`
     alone keeps int4 (what rdu traces and cost.py counts): the same values either way."""
@@ -346,7 +364,7 @@ def test_a_model_quantized_on_load_is_placed_and_quantize_weights_keeps_the_stor
     placed, kept = (m.layers[0].mlp.down_proj.weight.get_value() for m in (loaded.model, stored))
     assert placed.codes.dtype == jnp.int8 and kept.codes.dtype == jnp.int4
     assert quantized.layers[0].mlp.down_proj.weight.get_value().codes.dtype == jnp.int4
-    np.testing.assert_array_equal(np.asarray(placed.codes), np.asarray(kept.codes.astype(jnp.int8)))
+    np.testing.assert_array_equal(np.asarray(placed.codes), np.asarray(kept.natural_codes().astype(jnp.int8)))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxdecode.hooks.gemm import on_hopper_16bit, qkv_stream_fits, quantized_weights, stream_arrays
 from jaxdecode.looping import StackedRef
+from jaxdecode.quantized import in_kernel_order
 from kernels import decode_attention, dispatch, flat_gemm_stream, qkv_rope, quant_gemm, quant_gemm_stream
 
 
@@ -87,7 +88,13 @@ def kernel_qkv_attend(
         if partials is None:
             group_size = d // quantized[0][1].stack.shape[1]
             partials = lambda x2, _, layer: quant_gemm_stream.quant_stream_partials(  # noqa: E731
-                x2, stream_arrays(quantized), layer, group=group_size, cfg=quant_blocks, interpret=interpret
+                x2,
+                stream_arrays(quantized),
+                layer,
+                group=group_size,
+                cfg=quant_blocks,
+                permuted_codes=in_kernel_order(quantized[0][0].stack, quantized[0][1].stack),
+                interpret=interpret,
             )
     else:
         tile_n = gemm_blocks.tile_n

@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from jaxdecode.looping import SplitSum, StackedRef, outside_runs
+from jaxdecode.quantized import in_kernel_order
 from kernels import dispatch, flat_gemm, flat_gemm_stream, quant_gemm, quant_gemm_stream, quant_mlp
 
 
@@ -129,10 +130,17 @@ def kernel_quant_dot(
     if m > dispatch.MOSAIC_MAX_M:
         return None
     weight = (arrays[0], arrays[1], arrays[2] if offsets else None)
+    permuted = in_kernel_order(arrays[0], arrays[1])
     try:
         if impl == "stream":
             (y,) = quant_gemm_stream.quant_gemm_multi(
-                x.reshape(m, k), (weight,), index, group=k // groups, block_sizes=stream_blocks, interpret=interpret
+                x.reshape(m, k),
+                (weight,),
+                index,
+                group=k // groups,
+                block_sizes=stream_blocks,
+                permuted_codes=permuted,
+                interpret=interpret,
             )  # [M, N]
         else:
             y = quant_gemm.quant_gemm(
@@ -142,6 +150,7 @@ def kernel_quant_dot(
                 group=k // groups,
                 impl=impl,
                 block_sizes=block_sizes,
+                permuted_codes=permuted,
                 interpret=interpret,
             )  # [M, N]
     except quant_gemm.UntiledShape:  # a shape or dtype the kernel does not tile: XLA runs the call
@@ -167,6 +176,7 @@ def _kernel_swiglu_quantized(x, weights, impl, blocks, interpret):
             group=group,
             out_dtype=jnp.float32,
             block_sizes=blocks,
+            permuted_codes=in_kernel_order(weights[0][0].stack, weights[0][1].stack),
             interpret=interpret,
         )  # [M, F] each
     except quant_gemm.UntiledShape:
@@ -210,6 +220,7 @@ def kernel_mlp(
             weights[0][0].index,
             group=group,
             block_sizes=block_sizes,
+            permuted_codes=in_kernel_order(weights[0][0].stack, weights[0][1].stack),
             interpret=interpret,
         )  # [M, D]
     except quant_gemm.UntiledShape:

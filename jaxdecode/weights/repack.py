@@ -98,11 +98,11 @@ def repack(blocks: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, in
     codes, scales, offsets = _blocks(fmt.split(blocks.reshape(rows * per_row, fmt.block_bytes)), qtype)
     groups = scales.shape[1] * per_row  # per row
     to_columns = lambda a: np.ascontiguousarray(a.reshape(rows, groups).T)  # [K/G, rows]
-    return QuantizedWeight(
-        codes=codes.reshape(rows, k).astype(ml_dtypes.int4 if qtype in INT4_CODES else np.int8),
-        scales=to_columns(scales),
-        offsets=None if offsets is None else to_columns(offsets).astype(np.float32),
-        fmt=qtype.name,
+    return QuantizedWeight.from_codes(
+        codes.reshape(rows, k).astype(ml_dtypes.int4 if qtype in INT4_CODES else np.int8),
+        to_columns(scales),
+        None if offsets is None else to_columns(offsets).astype(np.float32),
+        qtype.name,
     )
 
 
@@ -129,6 +129,6 @@ def repacked_bytes(qtype: GGMLQuantizationType, rows: int, k: int) -> int:
 
 def permute_rows(w: QuantizedWeight, permute) -> QuantizedWeight:
     """The same weight with its output rows reordered by `permute` (a function of a [rows, ...] array):
-    codes' rows and the scales' and offsets' columns move together."""
+    codes' rows and the scales' and offsets' columns move together (the codes' stored K order stays)."""
     cols = lambda a: None if a is None else np.ascontiguousarray(permute(a.T).T)
     return QuantizedWeight(permute(w.codes), cols(w.scales), cols(w.offsets), w.fmt)
