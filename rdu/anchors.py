@@ -137,9 +137,14 @@ Q8 = (
     "benchmarks/results/2026-12-03/ab_quant_fixed_8b_h200.jsonl (benchmarks/ab.py --check, one H200, 64 steps after a "
     "1024-token context and a 16-token prompt: cache 1152; median of 3; read ceiling 4498 GB/s)"
 )
+Q4 = (
+    "benchmarks/results/2026-12-03/ab_int4_kernel_order_pdl_8b_h200.jsonl (benchmarks/ab.py --check, one H200, "
+    "int4 codes stored in the kernel's K order, 64 steps after a 1024-token context and a 16-token prompt: cache "
+    "1152; median of 5; read ceiling 4381 GB/s)"
+)
 Q70 = (
-    "benchmarks/results/2026-12-03/ab_quant_70b_h200.jsonl (int4, same harness, the kernel before each "
-    "register-operand wgmma waited (docs/kernels.md); read ceiling 4503 GB/s)"
+    "benchmarks/results/2026-12-03/ab_int4_kernel_order_70b_h200.jsonl (int4, same harness and kernels as Q4; "
+    "read ceiling 4422 GB/s)"
 )
 # Our engine with quantized weights (GPU mode "looped_inplace", rdu.quantized's kernels: the Stream-K
 # quantized GEMM, q·k·v and gate + up fused into one launch each). One row fits the one quantized constant
@@ -155,14 +160,14 @@ PREVIOUS_KERNEL_FILES = (
 )
 QUANT_ROWS = (
     GPURow(
-        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.5857, "looped_inplace", 1, "train", Q8, context=1152, quantize="int4"
+        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.4695, "looped_inplace", 1, "train", Q4, context=1152, quantize="int4"
     ),
     GPURow("ours int8, Llama-3.1-8B b1 ctx 1k", 3.1848, "looped_inplace", 1, "test", Q8, context=1152, quantize="int8"),
-    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 3.0172, "looped_inplace", 8, "test", Q8, context=1152, quantize="int4"),
+    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 2.8925, "looped_inplace", 8, "test", Q4, context=1152, quantize="int4"),
     GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 3.6013, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
     GPURow(
         "ours int4, Llama-3.1-70B b1 ctx 1k",
-        14.0348,
+        13.9329,
         "looped_inplace",
         1,
         "test",

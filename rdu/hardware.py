@@ -292,9 +292,9 @@ H200 = GPUSpec(
         (
             "quant_glue_kernel_s",
             "prior: assumed 3 us, as inplace_kernel_gap_s; fitted (rdu.fit.quant) on one measured quantized "
-            "step, Llama-3.1-8B int4 batch 1 (benchmarks/results/2026-12-03/ab_quant_fixed_8b_h200.jsonl): "
+            "step, Llama-3.1-8B int4 batch 1 (benchmarks/results/2026-12-03/ab_int4_kernel_order_pdl_8b_h200.jsonl): "
             "each kernel of a quantized layer besides its four GEMM launches (the qkv_rope epilogue, the "
-            "attention kernel, norms, residual adds, converts and transposes), a launch plus a few small reads",
+            "attention kernel, norms, residual adds and converts), a launch plus a few small reads",
         ),
         (
             "p2p_allreduce_s",
