@@ -386,3 +386,23 @@ def test_default_model_kept_quantized_equals_its_dequantized_weights(default_kep
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-3
     for ids in prompts:
         assert ours.generate([ids], max_new_tokens=32).token_ids == ref.generate([ids], max_new_tokens=32).token_ids
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, np.int8])
+def test_host_permutation_of_codes_equals_the_kernels_permute_k(dtype):
+    """The load-time permutation of numpy codes (moved as 2-byte pairs) equals `permute_k` done by jnp,
+    for stacked and unstacked codes; a non-contiguous array takes `permute_k` itself."""
+    from kernels.quant_gemm import permute_k
+
+    rng = np.random.default_rng(4)
+    for shape in ((3, 5, 96), (7, 64)):
+        codes = rng.integers(-8, 8, size=shape).astype(dtype)
+        want = np.asarray(permute_k(jnp.asarray(codes)))
+        got = quantized._permute_k(codes)
+        assert got.dtype == codes.dtype and got.shape == codes.shape
+        np.testing.assert_array_equal(got.astype(np.int8), want.astype(np.int8))
+        np.testing.assert_array_equal(quantized._permute_k(got).astype(np.int8), codes.astype(np.int8))
+    strided = rng.integers(-8, 8, size=(64, 10)).astype(dtype).T  # [10, 64], not C-contiguous
+    np.testing.assert_array_equal(
+        np.asarray(quantized._permute_k(strided)).astype(np.int8), np.asarray(permute_k(strided)).astype(np.int8)
+    )
