@@ -53,13 +53,11 @@ class QuantizedWeight:
     @classmethod
     def from_codes(cls, codes, scales, offsets, fmt: str) -> QuantizedWeight:
         """The weight whose codes [..., N, K] are given in its own K order, stored as the layout says."""
-        if in_kernel_order(codes, scales):
-            codes = _permute_k(codes)
-        return cls(codes, scales, offsets, fmt)
+        return cls(reorder_codes(codes, scales), scales, offsets, fmt)
 
     def natural_codes(self) -> Array:
         """The codes [..., N, K] in the weight's own K order."""
-        return _permute_k(self.codes) if in_kernel_order(self.codes, self.scales) else self.codes
+        return reorder_codes(self.codes, self.scales)
 
     @property
     def group(self) -> int:
@@ -88,9 +86,7 @@ class QuantizedWeight:
         times slower than int8, and the CPU `quant_dot` converts every code of a step."""
         w = self
         if jax.default_backend() == "cpu" and jnp.dtype(w.codes.dtype) == jnp.int4:  # int8 codes are in K order
-            # in numpy: XLA:CPU moves int4 elements several times slower
-            codes = np.asarray(w.codes)
-            codes = _permute_k(codes) if in_kernel_order(codes, w.scales) else codes
+            codes = reorder_codes(np.asarray(w.codes), w.scales)  # in numpy: XLA:CPU moves int4 elements slowly
             w = dataclasses.replace(w, codes=codes.astype(np.int8))
         return jax.tree.map(jnp.asarray, w)
 
@@ -114,6 +110,12 @@ def in_kernel_order(codes, scales) -> bool:
     its columns, so the scales do not move). Int8 codes, and int4 codes in groups of 16, are in K order."""
     group = codes.shape[-1] // scales.shape[-2]
     return jnp.dtype(codes.dtype) == jnp.int4 and group % KERNEL_ORDER_BLOCK == 0
+
+
+def reorder_codes(codes, scales):
+    """codes [..., N, K] moved between the weight's own K order and the stored one (`in_kernel_order`; the
+    permutation is its own inverse), or as they are where the stored order is K order."""
+    return _permute_k(codes) if in_kernel_order(codes, scales) else codes
 
 
 def is_quantized(w) -> bool:
@@ -140,8 +142,7 @@ def dequantize_rows(codes: Array, scales: Array, offsets: Array | None) -> Array
     """codes [..., N, K], scales (offsets) [..., K/G, N] → w [..., N, K] float32 (rows of the weight's transpose)."""
     *lead, n, k = codes.shape
     groups = scales.shape[-2]
-    if in_kernel_order(codes, scales):
-        codes = permute_k(codes)
+    codes = reorder_codes(codes, scales)
     c = codes.astype(jnp.float32).reshape(*lead, n, groups, k // groups)  # [..., N, K/G, G]
     w = c * jnp.swapaxes(scales, -1, -2).astype(jnp.float32)[..., None]  # [..., N, K/G, G]
     if offsets is not None:
@@ -224,9 +225,7 @@ def embed_rows(w, ids: Array, dtype) -> Array:
     is the tied output projection (codes [V, D]); returns [..., D] in `dtype`."""
     if not isinstance(w, QuantizedWeight):
         return jnp.take(w, ids, axis=0).astype(dtype)
-    codes = jnp.take(w.codes, ids, axis=0)  # [..., D]
-    if in_kernel_order(w.codes, w.scales):
-        codes = permute_k(codes)
+    codes = reorder_codes(jnp.take(w.codes, ids, axis=0), w.scales)  # [..., D] in K order
     scales = jnp.take(w.scales, ids, axis=1)  # [D/G, ...]
     offsets = None if w.offsets is None else jnp.take(w.offsets, ids, axis=1)
     d, groups = codes.shape[-1], scales.shape[0]

@@ -9,9 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.hooks.gemm import on_hopper_16bit, qkv_stream_fits, quantized_weights, stream_arrays
+from jaxdecode.hooks.gemm import codes_permuted, on_hopper_16bit, qkv_stream_fits, quantized_weights, stream_arrays
 from jaxdecode.looping import StackedRef
-from jaxdecode.quantized import in_kernel_order
 from kernels import decode_attention, dispatch, flat_gemm_stream, qkv_rope, quant_gemm, quant_gemm_stream
 
 
@@ -93,7 +92,7 @@ def kernel_qkv_attend(
                 layer,
                 group=group_size,
                 cfg=quant_blocks,
-                permuted_codes=in_kernel_order(quantized[0][0].stack, quantized[0][1].stack),
+                permuted_codes=codes_permuted(quantized),
                 interpret=interpret,
             )
     else:

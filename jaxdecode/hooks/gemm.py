@@ -94,6 +94,12 @@ def stream_arrays(weights):
     return tuple((w[0].stack, w[1].stack, w[2].stack if len(w) == 3 else None) for w in weights)
 
 
+def codes_permuted(weights) -> bool:
+    """Whether the weights' codes are stored in the kernels' K order (`quantized.in_kernel_order`; the
+    weights of one launch share one format, which the kernel checks)."""
+    return in_kernel_order(weights[0][0].stack, weights[0][1].stack)
+
+
 @outside_runs
 def kernel_quant_dot(
     x,
@@ -176,7 +182,7 @@ def _kernel_swiglu_quantized(x, weights, impl, blocks, interpret):
             group=group,
             out_dtype=jnp.float32,
             block_sizes=blocks,
-            permuted_codes=in_kernel_order(weights[0][0].stack, weights[0][1].stack),
+            permuted_codes=codes_permuted(weights),
             interpret=interpret,
         )  # [M, F] each
     except quant_gemm.UntiledShape:
@@ -220,7 +226,7 @@ def kernel_mlp(
             weights[0][0].index,
             group=group,
             block_sizes=block_sizes,
-            permuted_codes=in_kernel_order(weights[0][0].stack, weights[0][1].stack),
+            permuted_codes=codes_permuted(weights),
             interpret=interpret,
         )  # [M, D]
     except quant_gemm.UntiledShape:
