@@ -70,8 +70,10 @@ class QuantStreamBlocks:
     # int4 codes into wgmma's register operand: "biased" (bias + code in x's dtype by one lop3 per pair of
     # codes, columns in `permute_pairs` order; the bias comes off on the accumulators: scale_in="acc"),
     # "relabel" (Mosaic GPU's exact conversion, x's K order permuted within 32-column blocks so the upcast
-    # registers are the operand as they are, `permute_k`) or "shuffle" (Mosaic GPU's conversion and its
-    # relayout: two warp shuffles and a byte permute per register)
+    # registers are the operand as they are, `permute_k`), "shuffle" (Mosaic GPU's conversion and its
+    # relayout: two warp shuffles and a byte permute per register) or "s8" (int8 activations: x rounded to
+    # int8 per group, `quantize_activations`; codes + 8 as s8 by a lop3 per four codes, an s8 wgmma into an
+    # int32 accumulator per group, scaled per unit; G a multiple of 128 dividing tile_k)
     int4_feed: str = "relabel"
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
@@ -84,9 +86,10 @@ class QuantStreamBlocks:
         int4 codes is what bounds it) and 128 under "acc" (two: more measured slower); compute_wgs=None:
         one warpgroup per 64 rows."""
         biased = bits == 4 and self.int4_feed == "biased"
-        auto = "acc" if biased or not has_offsets else "w"
+        s8 = bits == 4 and self.int4_feed == "s8"
+        auto = "acc" if biased or s8 or not has_offsets else "w"
         scale_in = auto if self.scale_in == "auto" else self.scale_in
-        widest = (256, 128) if scale_in == "w" else (128,)
+        widest = (256, 128) if scale_in == "w" or s8 else (128,)
         tile_n = self.tile_n or next((t for t in widest if all(n % t == 0 for n in ns)), 64)
         return dataclasses.replace(self, tile_n=tile_n, compute_wgs=self.compute_wgs or tile_n // 64, scale_in=scale_in)
 
@@ -107,8 +110,8 @@ class _Layout:
     wgs: int
     arrays: int  # arrays per weight: codes, scales (, offsets)
     scale_in: str
-    feed: str  # "biased", "relabel" or "shuffle" for int4 codes (x permuted to match), "int8"
-    bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
+    feed: str  # "biased", "relabel", "shuffle" or "s8" for int4 codes (x permuted to match), "int8"
+    bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased" or "s8")
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
 
     @property
@@ -197,6 +200,84 @@ def _biased_as_wgmma(codes, dtype):
     return _as_wgmma(codes, dtype, pair)
 
 
+# Int8 activations ("s8"). Converting int4 codes to x's 16-bit dtype costs ~2.3 instructions a code, about
+# as many as the memory's pace leaves an SM. With x rounded to int8 per group (as llama.cpp's GPU kernels
+# quantize activations to 8 bits), the codes go to an s8 wgmma instead: a register of eight codes becomes
+# two registers of four bytes, each (nibble ^ 8) & 0xF = code + 8 (unsigned, so no sign extension), by one
+# lop3 each and a shift: 3 instructions per 8 codes. The +8 comes off per group with Σ xq, exactly, in
+# int32. Byte i of the low register is code 2i of the upcast register (8c + 2i of the 32-column block),
+# of the high one code 2i + 1; WGMMA_LAYOUT_8BIT hands thread column c bytes 4c..4c+3 of 16-column tile
+# 2b + e, so wgmma sees column 16e + 4c + i of block b where the codes hold column 8c + 2i + e: x is
+# permuted the same way (`permute_s8`).
+
+S8_BIAS = 8  # code + 8: the s8 codes are 0..15
+
+
+def permute_s8(a):
+    """a [..., K] with column 32b + 8c + 2i + e moved to 32b + 16e + 4c + i (K a multiple of 32)."""
+    *lead, k = a.shape
+    return jnp.moveaxis(a.reshape(*lead, k // 32, 4, 4, 2), -1, -3).reshape(*lead, k)
+
+
+def s8_as_wgmma(codes):
+    """codes [rows, 128] int4 (WGMMA_UPCAST_4X layout) as codes + 8 in a [rows, 128] int8 WGMMA_LAYOUT_8BIT
+    array, columns in `permute_s8` order."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.int8, plgpu.Layout.WGMMA_8BIT),
+    )
+    def convert(_, arr):
+        i32 = ir.IntegerType.get_signless(32)
+        i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
+        old = arr.registers  # [1, 128/32, 1, 1, 2, ...] of vector<8 x i4>: (32-column block, row half)
+        new = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape(arr.shape), dtype=object)  # (16-column tile, half)
+        assert old.shape[1] * 2 == new.shape[1] and old.shape[4] == new.shape[4] == 2, (old.shape, new.shape)
+        for idx in np.ndindex(new.shape):
+            src = list(idx)
+            src[1], e = divmod(idx[1], 2)
+            word = mgpu_utils.bitcast(old[tuple(src)], i32)
+            word = arith.shrui(word, mgpu_utils.c(4, i32)) if e else word
+            # (word ^ 0x88888888) & 0x0F0F0F0F: the four codes 2i + e as code + 8 in bytes i
+            out = llvm.inline_asm(i32, [word], "lop3.b32 $0, $1, 0x88888888, 0x0F0F0F0F, 0x28;", "=r,r")
+            new[idx] = mgpu_utils.bitcast(out, i8x4)
+        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
+
+    return convert(codes)
+
+
+def quantize_activations(x, group: int, offsets: bool):
+    """x [M8, K] (16-bit, K in the kernel's order) -> (xq [M8, K] int8, consts [K/G, 2 or 3, M8] f32): per row
+    and group of G columns, xq = round(x / s) with s = max |x| / 127 (1 for an all-zero group), and the
+    group's constants s, -8 · s · Σ xq (the codes' bias taken off) and, with offsets, Σ x (exact x)."""
+    m8, k = x.shape
+    xf = x.astype(jnp.float32).reshape(m8, k // group, group)
+    amax = jnp.abs(xf).max(axis=-1)  # [M8, K/G]
+    s = jnp.where(amax > 0, amax / 127, 1.0)
+    xq = jnp.clip(jnp.round(xf / s[..., None]), -127, 127).astype(jnp.int8)  # [M8, K/G, G]
+    qsum = xq.astype(jnp.int32).sum(axis=-1).astype(jnp.float32)  # [M8, K/G], |.| <= 127 G: exact in f32
+    consts = [s, -S8_BIAS * s * qsum] + ([xf.sum(axis=-1)] if offsets else [])
+    return xq.reshape(m8, k), jnp.stack(consts).transpose(2, 0, 1)  # [K/G, 2 or 3, M8]
+
+
+def quant_gemm_s8_reference(x, codes, scales, offsets=None, layer=None, *, group: int):
+    """What the "s8" feed computes, in f32: x rounded to int8 per group (`quantize_activations`) times the
+    dequantized codes and scales, plus the offsets times the exact x's group sums. x [M, K]; [L, N, K]
+    stacks with `layer`. Returns [M, N] f32."""
+    m, k = x.shape
+    xq, consts = quantize_activations(x, group, offsets is not None)
+    xd = (xq.astype(jnp.float32).reshape(m, k // group, group) * consts[:, 0].T[..., None]).reshape(m, k)
+    y = quant_gemm.quant_gemm_reference(xd, codes, scales, None, layer, group=group, out_dtype=jnp.float32)
+    if offsets is not None:
+        off = offsets if layer is None else lax.dynamic_index_in_dim(offsets, layer, axis=0, keepdims=False)
+        y = y + jnp.dot(consts[:, 2].T, off.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return y
+
+
 def relabel_as_wgmma(w):
     """w [rows, cw] (16-bit, WGMMA_UPCAST_4X layout) as a WGMMA_LAYOUT array of the same registers."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -230,10 +311,14 @@ def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, sl
 def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     """One CTA: units [c·R, min((c+1)·R, U)); warpgroups 0..wgs-1 compute, warpgroup `wgs` copies."""
     sched = lay.sched
-    n_in = len(sched.tiles) * lay.arrays
-    weights = [refs[i : i + lay.arrays] for i in range(0, n_in, lay.arrays)]  # (codes, scales(, offsets)) each
-    o_gmem, x_smem, c_smem, *group_smems, out_smem, produced, consumed = refs[n_in : len(refs) - interpret]
-    w_stage = refs[-1] if interpret else None  # [wgs, rows, gw]: the interpreter's wgmma LHS (SMEM only)
+    s8 = lay.feed == "s8"
+    n_w = len(sched.tiles) * lay.arrays
+    weights = [refs[i : i + lay.arrays] for i in range(0, n_w, lay.arrays)]  # (codes, scales(, offsets)) each
+    xc_gmem = refs[n_w] if s8 else None  # [K/G, 2 or 3, M8] f32: `quantize_activations`' constants
+    tail = list(refs[n_w + s8 :])
+    w_stage = tail.pop() if interpret else None  # [wgs, rows, gw]: the interpreter's wgmma LHS (SMEM only)
+    xc_smem = tail.pop() if s8 else None  # [stages, group_rows, 2 or 3, M8]
+    o_gmem, x_smem, c_smem, *group_smems, out_smem, produced, consumed = tail
     m8 = x_smem.shape[1]  # x_smem [stages, M8, tile_k]
     cdt = x_gmem.dtype
     tile_n, tile_k, gw, wgs = lay.tile_n, lay.tile_k, lay.gw, lay.wgs
@@ -255,6 +340,9 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
         src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
         plgpu.copy_gmem_to_smem(src, x_smem.at[slot], produced.at[slot])
+        if s8:  # the constants of the unit's groups (tile_k holds whole groups)
+            gsl = pl.ds(kk * lay.group_rows, lay.group_rows)
+            plgpu.copy_gmem_to_smem(xc_gmem.at[gsl], xc_smem.at[slot], produced.at[slot])
 
     def issue_weights(j, slot):  # the weight's arrays of the unit of local step j into `slot`
         u = u0 + j
@@ -285,7 +373,9 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         c_rows = c_smem.at[slot, pl.ds(r0, rows)]  # [rows, tile_k]
         for ci in range(tile_k // cw):
             chunk = plgpu.load(c_rows.at[:, pl.ds(ci * cw, cw)], layout=upcast)  # [rows, cw]
-            if lay.feed == "biased":
+            if s8:
+                chunk = permute_s8(chunk.astype(jnp.int8) + S8_BIAS) if interpret else s8_as_wgmma(chunk)
+            elif lay.feed == "biased":
                 chunk = permute_pairs(chunk.astype(cdt)) + lay.bias if interpret else _biased_as_wgmma(chunk, cdt)
             elif lay.feed == "relabel":
                 chunk = permute_k(chunk.astype(cdt)) if interpret else relabel_as_wgmma(chunk.astype(cdt))
@@ -340,6 +430,31 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 total = total + xsum * lax.broadcast_in_dim(o, part.shape, [0])
         return total
 
+    def unit_s8(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, int8 activations
+        slot = lax.rem(j, lay.stages)
+        plgpu.barrier_wait(produced.at[slot])
+        col_layout = plgpu.Layout.WGMMA.reduce(0)  # an [M8] vector along the accumulator's columns
+
+        def scope(*accs):  # one int32 accumulator per group: (codes + 8)ᵀ · xqᵀ
+            groups_of = []
+            for g, w, x_t in groups(slot, r0):
+                mma(accs[g], w, x_t)
+                scales = per_row(slot, r0, g, 0, jnp.float32)
+                offs = per_row(slot, r0, g, 1, jnp.float32) if offsets else None
+                xc = [plgpu.load(xc_smem.at[slot, g, i], layout=col_layout) for i in range(xc_smem.shape[2])]
+                groups_of.append((g, scales, offs, xc))
+            return [(accs[g][...], s, o, xc) for g, s, o, xc in groups_of]
+
+        parts = pl.run_scoped(scope, *[plgpu.ACC((rows, m8), jnp.int32)] * lay.group_rows)
+        plgpu.barrier_arrive(consumed.at[slot])  # the scales and constants are in registers now
+        cols = lambda v: lax.broadcast_in_dim(v, (rows, m8), [1])  # noqa: E731
+        for part, s, o, xc in parts:  # s_x · Σ (c + 8) xq - 8 s_x Σ xq, scaled per row; + offsets · Σx
+            dot = part.astype(jnp.float32) * cols(xc[0]) + cols(xc[1])
+            total = total + dot * lax.broadcast_in_dim(s, dot.shape, [0])
+            if o is not None:
+                total = total + cols(xc[2]) * lax.broadcast_in_dim(o, dot.shape, [0])
+        return total
+
     @pl.when(wg < wgs)
     def _compute():
         r0 = wg * rows
@@ -351,7 +466,8 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
             if lay.scale_in == "acc":
                 zeros = plgpu.layout_cast(jnp.zeros((rows, m8), jnp.float32), plgpu.Layout.WGMMA)
-                part = lax.fori_loop(j_start, j_end, lambda j, total: unit_acc(j, total, r0), zeros)  # [rows, M8]
+                unit = unit_s8 if s8 else unit_acc
+                part = lax.fori_loop(j_start, j_end, lambda j, total: unit(j, total, r0), zeros)  # [rows, M8]
             else:
 
                 def run(acc):
@@ -395,8 +511,12 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"the kernel takes bf16 or f16 x, got {x.dtype}")
     if m > MAX_M:
         raise UntiledShape(f"the quantized stream GEMM takes M <= {MAX_M}, got M={m}")
-    if cfg.int4_feed not in ("biased", "relabel", "shuffle"):
-        raise UntiledShape(f"int4_feed must be 'biased', 'relabel' or 'shuffle', got {cfg.int4_feed!r}")
+    if cfg.int4_feed not in ("biased", "relabel", "shuffle", "s8"):
+        raise UntiledShape(f"int4_feed must be 'biased', 'relabel', 'shuffle' or 's8', got {cfg.int4_feed!r}")
+    if cfg.int4_feed == "s8" and code_bits(first[0].dtype) == 4 and (group % 128 or cfg.tile_k % group):
+        raise UntiledShape(f"int4_feed='s8' needs G a multiple of 128 dividing tile_k={cfg.tile_k}, got G={group}")
+    if cfg.int4_feed == "s8" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
+        raise UntiledShape(f"int4_feed='s8' scales its int32 accumulators (scale_in='acc'), got {cfg.scale_in!r}")
     if cfg.int4_feed == "biased" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
         raise UntiledShape(f"int4_feed='biased' needs scale_in='acc', got {cfg.scale_in!r}")
     if cfg.scale_in not in ("acc", "w", "auto"):
@@ -432,16 +552,19 @@ def quant_stream_partials(
         k, tuple(c.shape[1] for c, _, _ in weights), cfg.gemm_blocks(), cfg.ctas or flat_gemm_stream.default_ctas()
     )
     rows = cfg.tile_n // cfg.compute_wgs
-    stage_bytes = cfg.tile_k * (m8 * x.dtype.itemsize + cfg.tile_n * bits // 8)
+    feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
+    s8 = feed == "s8"
+    consts = 2 + (offsets0 is not None)  # s8: `quantize_activations`' constants per group and row
+    stage_bytes = cfg.tile_k * (m8 * (1 if s8 else x.dtype.itemsize) + cfg.tile_n * bits // 8)
     groupwise = [a for a in (scales0, offsets0) if a is not None]
     stage_bytes += sum(group_rows * cfg.tile_n * a.dtype.itemsize for a in groupwise)
+    stage_bytes += group_rows * consts * m8 * 4 if s8 else 0
     flush_bytes = cfg.compute_wgs * 2 * rows * m8 * 4
     fit = (cfg.smem_bytes - flush_bytes) // stage_bytes
     if fit < 2:
         raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={cfg.smem_bytes} at M={m}")
     stages = max(2, min(cfg.stages, fit))
-    feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
-    bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
+    bias = BIAS_BITS[x.dtype][0] if feed == "biased" else S8_BIAS if s8 else 0
     lay = _Layout(
         sched,
         cfg.tile_n,
@@ -459,17 +582,24 @@ def quant_stream_partials(
         raise UntiledShape(f"permuted_codes needs int4 codes in groups of 32 columns, got {bits}-bit codes, G={group}")
     if not (permuted_codes and feed == "relabel"):  # relabelling stored-permuted codes undoes the order
         x = permute_k(x) if permuted_codes else x  # x in the codes' stored order, then in the feed's
-        x = {"biased": permute_pairs, "relabel": permute_k}.get(feed, lambda a: a)(x)
+        x = {"biased": permute_pairs, "relabel": permute_k, "s8": permute_s8}.get(feed, lambda a: a)(x)
+    xc = ()
+    if s8:  # x rounded to int8 per group, with each group's constants (XLA, before the launch)
+        x, xc = quantize_activations(jnp.pad(x, ((0, m8 - m), (0, 0))), group, offsets0 is not None)
+        xc = (xc,)
     scratch = (
-        plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 16)),
+        plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 8 * x.dtype.itemsize)),
         plgpu.SMEM(
             (stages, cfg.tile_n, cfg.tile_k), codes0.dtype, transforms=smem_transforms(load_width(gw, bits), bits)
         ),
         *(plgpu.SMEM((stages, group_rows, cfg.tile_n), a.dtype) for a in groupwise),
         plgpu.SMEM((cfg.compute_wgs, 2, rows, m8), jnp.float32),
-        plgpu.Barrier(num_arrivals=1 + arrays, num_barriers=stages),  # produced: x and the weight's arrays
+        # produced: x (and its constants) and the weight's arrays
+        plgpu.Barrier(num_arrivals=1 + s8 + arrays, num_barriers=stages),
         plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=stages),  # consumed: every compute warpgroup
     )
+    if s8:
+        scratch += (plgpu.SMEM((stages, group_rows, consts, m8), jnp.float32),)
     if interpret:  # Mosaic GPU's interpreter takes wgmma operands from SMEM only, and scoped SMEM must be
         # shared by all warpgroups: each compute warpgroup stages its converted codes in its own row
         scratch += (plgpu.SMEM((cfg.compute_wgs, rows, gw), x.dtype),)
@@ -485,8 +615,9 @@ def quant_stream_partials(
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
-        x if flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
+        x if s8 or flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
         *(a for w in weights for a in w if a is not None),
+        *xc,
     )
     return out, sched
 
