@@ -314,11 +314,13 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     s8 = lay.feed == "s8"
     n_w = len(sched.tiles) * lay.arrays
     weights = [refs[i : i + lay.arrays] for i in range(0, n_w, lay.arrays)]  # (codes, scales(, offsets)) each
-    xc_gmem = refs[n_w] if s8 else None  # [K/G, 2 or 3, M8] f32: `quantize_activations`' constants
+    xc_gmem = refs[n_w] if s8 else None  # [K/G · C, M8] f32: `quantize_activations`' C constants a group
     tail = list(refs[n_w + s8 :])
     w_stage = tail.pop() if interpret else None  # [wgs, rows, gw]: the interpreter's wgmma LHS (SMEM only)
-    xc_smem = tail.pop() if s8 else None  # [stages, group_rows, 2 or 3, M8]
-    o_gmem, x_smem, c_smem, *group_smems, out_smem, produced, consumed = tail
+    consumed, produced = tail.pop(), tail.pop()
+    xc_smem = tail.pop() if s8 else None  # [stages, >= group_rows · C, M8], whole 128-byte stages
+    o_gmem, x_smem, c_smem, *group_smems, out_smem = tail
+    consts = xc_gmem.shape[0] // (lay.sched.ks * lay.group_rows) if s8 else 0  # C
     m8 = x_smem.shape[1]  # x_smem [stages, M8, tile_k]
     cdt = x_gmem.dtype
     tile_n, tile_k, gw, wgs = lay.tile_n, lay.tile_k, lay.gw, lay.wgs
@@ -341,8 +343,9 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
         plgpu.copy_gmem_to_smem(src, x_smem.at[slot], produced.at[slot])
         if s8:  # the constants of the unit's groups (tile_k holds whole groups)
-            gsl = pl.ds(kk * lay.group_rows, lay.group_rows)
-            plgpu.copy_gmem_to_smem(xc_gmem.at[gsl], xc_smem.at[slot], produced.at[slot])
+            rows_c = lay.group_rows * consts
+            src, dst = xc_gmem.at[pl.ds(kk * rows_c, rows_c)], xc_smem.at[slot, pl.ds(0, rows_c)]
+            plgpu.copy_gmem_to_smem(src, dst, produced.at[slot])
 
     def issue_weights(j, slot):  # the weight's arrays of the unit of local step j into `slot`
         u = u0 + j
@@ -441,7 +444,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 mma(accs[g], w, x_t)
                 scales = per_row(slot, r0, g, 0, jnp.float32)
                 offs = per_row(slot, r0, g, 1, jnp.float32) if offsets else None
-                xc = [plgpu.load(xc_smem.at[slot, g, i], layout=col_layout) for i in range(xc_smem.shape[2])]
+                xc = [plgpu.load(xc_smem.at[slot, g * consts + i], layout=col_layout) for i in range(consts)]
                 groups_of.append((g, scales, offs, xc))
             return [(accs[g][...], s, o, xc) for g, s, o, xc in groups_of]
 
@@ -558,7 +561,9 @@ def quant_stream_partials(
     stage_bytes = cfg.tile_k * (m8 * (1 if s8 else x.dtype.itemsize) + cfg.tile_n * bits // 8)
     groupwise = [a for a in (scales0, offsets0) if a is not None]
     stage_bytes += sum(group_rows * cfg.tile_n * a.dtype.itemsize for a in groupwise)
-    stage_bytes += group_rows * consts * m8 * 4 if s8 else 0
+    step = 32 // np.gcd(m8, 32)  # rows of M8 f32 in a whole number of 128 bytes
+    xc_rows = -(-group_rows * consts // step) * step
+    stage_bytes += xc_rows * m8 * 4 if s8 else 0
     flush_bytes = cfg.compute_wgs * 2 * rows * m8 * 4
     fit = (cfg.smem_bytes - flush_bytes) // stage_bytes
     if fit < 2:
@@ -586,7 +591,7 @@ def quant_stream_partials(
     xc = ()
     if s8:  # x rounded to int8 per group, with each group's constants (XLA, before the launch)
         x, xc = quantize_activations(jnp.pad(x, ((0, m8 - m), (0, 0))), group, offsets0 is not None)
-        xc = (xc,)
+        xc = (xc.reshape(-1, m8),)  # [K/G · C, M8]: a unit's constants are one run of rows
     scratch = (
         plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 8 * x.dtype.itemsize)),
         plgpu.SMEM(
@@ -594,12 +599,12 @@ def quant_stream_partials(
         ),
         *(plgpu.SMEM((stages, group_rows, cfg.tile_n), a.dtype) for a in groupwise),
         plgpu.SMEM((cfg.compute_wgs, 2, rows, m8), jnp.float32),
+        # s8: each stage's constants, rows rounded up to whole 128 bytes (TMA's SMEM destinations must be)
+        *((plgpu.SMEM((stages, xc_rows, m8), jnp.float32),) if s8 else ()),
         # produced: x (and its constants) and the weight's arrays
         plgpu.Barrier(num_arrivals=1 + s8 + arrays, num_barriers=stages),
         plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=stages),  # consumed: every compute warpgroup
     )
-    if s8:
-        scratch += (plgpu.SMEM((stages, group_rows, consts, m8), jnp.float32),)
     if interpret:  # Mosaic GPU's interpreter takes wgmma operands from SMEM only, and scoped SMEM must be
         # shared by all warpgroups: each compute warpgroup stages its converted codes in its own row
         scratch += (plgpu.SMEM((cfg.compute_wgs, rows, gw), x.dtype),)

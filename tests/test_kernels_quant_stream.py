@@ -234,19 +234,23 @@ class TestCompiledAtLlamaShapes:
     INTERPRET = False  # conftest's fixture runs module-level tests on the CPU device: a class keeps the GPU
 
     @pytest.mark.parametrize("pdl", [False, True])
-    @pytest.mark.parametrize("fmt", ["int4", "int8"])
+    @pytest.mark.parametrize("fmt", ["int4", "int8", "int4_s8"])
     @pytest.mark.parametrize("name", list(LLAMA))
     def test_every_call_matches_reference(self, fmt, name, pdl):
         """The engine's blocks (`QuantStreamBlocks()`, every SM) at full size, three calls of one compiled
         function: a register-operand hazard once corrupted some calls and not others at these shapes, never
-        at the small ones above (docs/kernels.md). pdl: weights loaded before griddepcontrol.wait."""
+        at the small ones above (docs/kernels.md). pdl: weights loaded before griddepcontrol.wait. int4_s8:
+        the int8-activation feed against its own reference."""
         m, ns, k = LLAMA[name]
+        s8 = fmt == "int4_s8"
+        fmt = "int4" if s8 else fmt
         case = Case(m, fmt, 128, ns=ns, offsets=fmt == "int4", k=k)
         x, weights, layer = _inputs(case)
-        refs = [qg.quant_gemm_reference(x, c, s, o, layer, group=128) for c, s, o in weights]
-        cfg = qs.QuantStreamBlocks(pdl=pdl)
+        reference = qs.quant_gemm_s8_reference if s8 else qg.quant_gemm_reference
+        refs = [reference(x, c, s, o, layer, group=128) for c, s, o in weights]
+        cfg = qs.QuantStreamBlocks(pdl=pdl, int4_feed="s8" if s8 else "relabel")
         gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg))
-        scale_in = qs.QuantStreamBlocks().resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
+        scale_in = cfg.resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
         for _ in range(3):
             for out, ref in zip(gemm(x, weights), refs):
                 _close(out, ref, scale_in)
