@@ -61,9 +61,7 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
     "stream_biased_4wg": qs.QuantStreamBlocks(tile_n=256, int4_feed="biased"),  # int4: biased codes, "acc"
     "stream_biased_2wg": qs.QuantStreamBlocks(tile_n=128, int4_feed="biased"),
-    "stream_s8": qs.QuantStreamBlocks(
-        int4_feed="s8"
-    ),  # int4: int8 activations, s8 wgmma (checked against its own reference)
+    "stream_s8": qs.QuantStreamBlocks(int4_feed="s8"),  # int4: int8 activations (checked against their reference)
     "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout
     "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),
     "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),

@@ -111,7 +111,7 @@ class _Layout:
     arrays: int  # arrays per weight: codes, scales (, offsets)
     scale_in: str
     feed: str  # "biased", "relabel", "shuffle" or "s8" for int4 codes (x permuted to match), "int8"
-    bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased" or "s8")
+    bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
 
     @property
@@ -569,7 +569,7 @@ def quant_stream_partials(
     if fit < 2:
         raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={cfg.smem_bytes} at M={m}")
     stages = max(2, min(cfg.stages, fit))
-    bias = BIAS_BITS[x.dtype][0] if feed == "biased" else S8_BIAS if s8 else 0
+    bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0  # s8's bias comes off with the wrapper's constants
     lay = _Layout(
         sched,
         cfg.tile_n,

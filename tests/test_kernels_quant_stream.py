@@ -196,12 +196,9 @@ class TestQuantStreamInterpret(TestQuantStream):
         ).strip()
         root = pathlib.Path(__file__).resolve().parent.parent
         code = (
-            "import sys; sys.path.insert(0, 'tests'); import dataclasses, test_kernels_quant_stream as t\n"
+            "import sys; sys.path.insert(0, 'tests'); import test_kernels_quant_stream as t\n"
             "for name in t.S8_CASES:\n"
-            "    case = t.CASES[name]\n"
-            "    blocks = dataclasses.replace(t.BLOCKS, compute_wgs=case.wgs, tile_n=max(128, 64 * case.wgs),"
-            " scale_in=case.scale_in, int4_feed=case.feed)\n"
-            "    t._check_case(name, blocks, True)\n"
+            "    t._check_case(name, t.TestQuantStreamInterpret()._blocks(t.CASES[name]), True)\n"
             "    print('ok', name, flush=True)\n"
         )
         done = subprocess.run(
