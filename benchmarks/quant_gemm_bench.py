@@ -61,7 +61,7 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
     "stream_biased_4wg": qs.QuantStreamBlocks(tile_n=256, int4_feed="biased"),  # int4: biased codes, "acc"
     "stream_biased_2wg": qs.QuantStreamBlocks(tile_n=128, int4_feed="biased"),
-    "stream_s8": qs.QuantStreamBlocks(int4_feed="s8"),  # int4: int8 activations (checked against their reference)
+    "stream_relabel": qs.QuantStreamBlocks(int4_feed="relabel"),  # int4: 16-bit x, codes relabelled in registers
     "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout
     "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),
     "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
@@ -187,6 +187,14 @@ def quant_op(cfg, group: int = GROUP, interpret: bool = False):
     return lambda x, l, c, s, *o: qg.quant_gemm(
         x, c, s, o[0] if o else None, l, group=group, block_sizes=cfg, interpret=interpret
     )
+
+
+def feed(cfg, m: int, k: int, weight) -> str | None:
+    """The int4 feed a stream variant runs at M (int8 activations, "s8", are checked against their own
+    reference); None for the tile-per-CTA kernel."""
+    if not isinstance(cfg, qs.QuantStreamBlocks):
+        return None
+    return qs.resolve_blocks(cfg, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), (weight,), GROUP).int4_feed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +345,7 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
                 for name in names:
                     gemm = quant_op(VARIANTS[name], GROUP, interp)
                     arrays = (codes, scales) + ((offsets,) if with_offsets else ())
-                    s8 = cdt == jnp.int4 and VARIANTS[name].int4_feed == "s8"
+                    s8 = feed(VARIANTS[name], m, k, (codes, scales, offsets if with_offsets else None)) == "s8"
                     ref_op = qs.quant_gemm_s8_reference if s8 else qg.quant_gemm_reference
                     ref = lambda x, l, c=codes, s=scales, o=offsets, f=ref_op: f(x, c, s, o, l, group=GROUP)
                     attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, arrays, n, k, ref)

@@ -72,26 +72,32 @@ class QuantStreamBlocks:
     # "relabel" (Mosaic GPU's exact conversion, x's K order permuted within 32-column blocks so the upcast
     # registers are the operand as they are, `permute_k`), "shuffle" (Mosaic GPU's conversion and its
     # relayout: two warp shuffles and a byte permute per register) or "s8" (int8 activations: x rounded to
-    # int8 per group, `quantize_activations`; codes + 8 as s8 by a lop3 per four codes, an s8 wgmma into an
-    # int32 accumulator per group, scaled per unit; G a multiple of 128 dividing tile_k)
-    int4_feed: str = "relabel"
+    # int8 per group inside the kernel, as `quantize_activations` does; codes + 8 as s8 by a lop3 per four
+    # codes, an s8 wgmma into an int32 accumulator per group, scaled per unit; G a multiple of 128 dividing
+    # tile_k, M8 dividing 64, codes in `permute_k` order or x permuted to it) or "auto" ("s8" where it
+    # applies, else "relabel": `resolved`)
+    int4_feed: str = "auto"
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
     pdl: bool = False  # programmatic dependent launch: as `flat_gemm_stream.StreamBlocks.pdl`
 
-    def resolved(self, ns, has_offsets: bool, bits: int = 4) -> QuantStreamBlocks:
-        """These blocks for weights of widths `ns` and codes of `bits`. "auto": "acc" for biased int4 codes,
-        else "w" for weights with offsets and "acc" otherwise; tile_n=None: the widest tile that divides
-        every width, up to 256 rows under "w" (four compute warpgroups: converting, scaling and offsetting
-        int4 codes is what bounds it) and 128 under "acc" (two: more measured slower); compute_wgs=None:
-        one warpgroup per 64 rows."""
-        biased = bits == 4 and self.int4_feed == "biased"
-        s8 = bits == 4 and self.int4_feed == "s8"
+    def resolved(self, ns, has_offsets: bool, bits: int = 4, s8_fits: bool = False) -> QuantStreamBlocks:
+        """These blocks for weights of widths `ns` and codes of `bits`. int4_feed "auto": "s8" where `s8_fits`
+        (the call's G, M and shared memory take it: `quant_stream_partials` asks `_s8_plan`), else "relabel".
+        scale_in "auto": "acc" for biased and s8 int4 codes, else "w" for weights with offsets and "acc"
+        otherwise; tile_n=None: the widest tile that divides every width, up to 256 rows under "w" and s8
+        (four compute warpgroups: converting, scaling and offsetting int4 codes is what bounds it) and 128
+        under "acc" (two: more measured slower); compute_wgs=None: one warpgroup per 64 rows."""
+        feed = ("s8" if s8_fits else "relabel") if self.int4_feed == "auto" else self.int4_feed
+        biased = bits == 4 and feed == "biased"
+        s8 = bits == 4 and feed == "s8"
         auto = "acc" if biased or s8 or not has_offsets else "w"
         scale_in = auto if self.scale_in == "auto" else self.scale_in
         widest = (256, 128) if scale_in == "w" or s8 else (128,)
         tile_n = self.tile_n or next((t for t in widest if all(n % t == 0 for n in ns)), 64)
-        return dataclasses.replace(self, tile_n=tile_n, compute_wgs=self.compute_wgs or tile_n // 64, scale_in=scale_in)
+        return dataclasses.replace(
+            self, tile_n=tile_n, compute_wgs=self.compute_wgs or tile_n // 64, scale_in=scale_in, int4_feed=feed
+        )
 
     def gemm_blocks(self) -> flat_gemm_stream.StreamBlocks:
         """The same units as `flat_gemm_stream` lays them out (its `schedule` and `combine` apply)."""
@@ -112,7 +118,16 @@ class _Layout:
     scale_in: str
     feed: str  # "biased", "relabel", "shuffle" or "s8" for int4 codes (x permuted to match), "int8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
+    m8: int  # x's rows padded to 8
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
+
+    @property
+    def ks_held(self) -> int:  # s8: the k-steps of one CTA's units (consecutive, modulo ks), whose x it rounds
+        return min(self.sched.units_per_cta, self.sched.ks)
+
+    @property
+    def x_rows(self) -> int:  # s8: rows (group, m) of the CTA's rounded x, whole 64-row chunks
+        return -(-self.ks_held * self.group_rows * self.m8 // 64) * 64
 
     @property
     def gw(self) -> int:  # columns of one group inside a unit
@@ -250,6 +265,38 @@ def s8_as_wgmma(codes):
     return convert(codes)
 
 
+def x_as_s8_operand(xq):
+    """xq [64, cols] int8 (WGMMA layout) as the WGMMA_LAYOUT_8BIT array whose column 32b + 16e + 4c + i holds
+    xq's column 32b + 8i + 2c + e, which is `permute_s8(permute_k(xq))`: the x order that `s8_as_wgmma` needs
+    for codes stored in `permute_k` order. A WGMMA thread (lane column c) holds columns 8i + 2c + e of every
+    32-column block, exactly those its WGMMA_LAYOUT_8BIT registers take, so only bytes move, within a thread."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import vector
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(xq.shape, jnp.int8, plgpu.Layout.WGMMA_8BIT),
+    )
+    def convert(_, arr):
+        i8x4 = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
+        old = arr.registers  # [1, cols/8, 1, 1, 2, ...] of vector<2 x i8>: (8-column tile, row half)
+        new = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape(arr.shape), dtype=object)  # (16-column tile, half)
+        assert old.shape[1] == 2 * new.shape[1] and old.shape[4] == new.shape[4] == 2, (old.shape, new.shape)
+        for idx in np.ndindex(new.shape):
+            b, e = divmod(idx[1], 2)  # 16-column tile 2b + e of 32-column block b
+            parts = []
+            for i in range(4):  # byte i: element e of 8-column tile 4b + i
+                src = list(idx)
+                src[1] = 4 * b + i
+                pos = ir.DenseI64ArrayAttr.get([e])
+                parts.append(vector.extract(old[tuple(src)], dynamic_position=[], static_position=pos))
+            new[idx] = vector.from_elements(i8x4, parts)
+        return fa.FragmentedArray(_registers=new, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
+
+    return convert(xq)
+
+
 def quantize_activations(x, group: int, offsets: bool):
     """x [M8, K] (16-bit, K in the kernel's order) -> (xq [M8, K] int8, consts [K/G, 2 or 3, M8] f32): per row
     and group of G columns, xq = round(x / s) with s = max |x| / 127 (1 for an all-zero group), and the
@@ -314,14 +361,14 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     s8 = lay.feed == "s8"
     n_w = len(sched.tiles) * lay.arrays
     weights = [refs[i : i + lay.arrays] for i in range(0, n_w, lay.arrays)]  # (codes, scales(, offsets)) each
-    xc_gmem = refs[n_w] if s8 else None  # [K/G · C, M8] f32: `quantize_activations`' C constants a group
-    tail = list(refs[n_w + s8 :])
-    w_stage = tail.pop() if interpret else None  # [wgs, rows, gw]: the interpreter's wgmma LHS (SMEM only)
-    consumed, produced = tail.pop(), tail.pop()
-    xc_smem = tail.pop() if s8 else None  # [stages, >= group_rows · C, M8], whole 128-byte stages
-    o_gmem, x_smem, c_smem, *group_smems, out_smem = tail
-    consts = xc_gmem.shape[0] // (lay.sched.ks * lay.group_rows) if s8 else 0  # C
-    m8 = x_smem.shape[1]  # x_smem [stages, M8, tile_k]
+    o_gmem, *scratch = refs[n_w:]
+    w_stage = scratch.pop() if interpret else None  # [wgs, rows, gw]: the interpreter's wgmma LHS (SMEM only)
+    if s8:  # x of the CTA's k-steps as copied [x_rows, G], rounded [x_rows, G] int8, constants [C, x_rows]
+        xs_smem, xq_smem, xc_smem, c_smem, *group_smems, out_smem, produced, consumed, x_ready, xq_ready = scratch
+        x_smem = None
+    else:  # x per stage [stages, M8, tile_k]
+        x_smem, c_smem, *group_smems, out_smem, produced, consumed = scratch
+    m8 = lay.m8
     cdt = x_gmem.dtype
     tile_n, tile_k, gw, wgs = lay.tile_n, lay.tile_k, lay.gw, lay.wgs
     rows = tile_n // wgs  # rows of a unit per compute warpgroup
@@ -336,16 +383,25 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     u0 = c * per_cta
     u1 = lax.min(u0 + per_cta, sched.units)
     nsteps = u1 - u0
+    kk0 = lax.rem(u0, ks)  # s8: the first k-step the CTA holds; its units' k-steps follow modulo ks
+
+    def held_group(j, g):  # s8: the row block (of M8 rows) of group g of the unit of local step j
+        return lax.rem(lax.rem(u0 + j, ks) - kk0 + ks, ks) * lay.group_rows + g
 
     def issue_x(j, slot):  # copy x's part of the unit of local step j into `slot`
+        if s8:  # the CTA's x once, at its first unit: each group of each held k-step as rows (group, m)
+            if j == 0:
+                for jk in range(lay.ks_held):
+                    kk = lax.rem(kk0 + jk, ks)
+                    for g in range(lay.group_rows):
+                        src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k + g * lay.group, lay.group)]
+                        dst = xs_smem.at[pl.ds((jk * lay.group_rows + g) * m8, m8)]
+                        plgpu.copy_gmem_to_smem(src, dst, x_ready)  # rows past M: zeros (out of bounds)
+            return
         kk = lax.rem(u0 + j, ks)
         # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
         src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k, tile_k)]
         plgpu.copy_gmem_to_smem(src, x_smem.at[slot], produced.at[slot])
-        if s8:  # the constants of the unit's groups (tile_k holds whole groups)
-            rows_c = lay.group_rows * consts
-            src, dst = xc_gmem.at[pl.ds(kk * rows_c, rows_c)], xc_smem.at[slot, pl.ds(0, rows_c)]
-            plgpu.copy_gmem_to_smem(src, dst, produced.at[slot])
 
     def issue_weights(j, slot):  # the weight's arrays of the unit of local step j into `slot`
         u = u0 + j
@@ -365,14 +421,45 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         def refill(j, carry):
             slot = lax.rem(j, lay.stages)
             plgpu.barrier_wait(consumed.at[slot])  # both compute warpgroups are done with unit j - stages
-            issue(j, slot)
+            (issue_weights if s8 else issue)(j, slot)
             return carry
 
         lax.fori_loop(lay.stages, nsteps, refill, None)
+        if interpret:  # Mosaic GPU's interpreter wants every phase of a barrier seen by all that wait on it
+            drain = lambda j, carry: (plgpu.barrier_wait(consumed.at[lax.rem(j, lay.stages)]), carry)[1]  # noqa: E731
+            lax.fori_loop(lax.max(nsteps - lay.stages, 0), nsteps, drain, None)
+
+    def round_x():  # s8: `quantize_activations` of the CTA's x, 64 rows (group, m) per chunk and warpgroup
+        plgpu.barrier_wait(x_ready)
+        for ch in range(lay.x_rows // 64):
+
+            @pl.when(wg == ch % wgs)
+            def _():
+                rsl = pl.ds(ch * 64, 64)
+                xf = plgpu.load(xs_smem.at[rsl], layout=plgpu.Layout.WGMMA).astype(jnp.float32)  # [64, G]
+                amax = jnp.max(jnp.abs(xf), axis=1)  # [64]
+                s = jnp.where(amax > 0, amax / 127, jnp.float32(1))
+                q = jnp.round(xf / lax.broadcast_in_dim(s, xf.shape, [0]))
+                q = jnp.minimum(jnp.maximum(q, jnp.float32(-127)), jnp.float32(127))
+                xc_smem.at[0, rsl][...] = s
+                xc_smem.at[1, rsl][...] = -S8_BIAS * s * q.sum(axis=1)  # Σ xq: exact in f32 (|.| <= 127 G)
+                if xc_smem.shape[0] == 3:
+                    xc_smem.at[2, rsl][...] = xf.sum(axis=1)
+                q = q.astype(jnp.int8)
+                xq_smem.at[rsl][...] = permute_s8(permute_k(q)) if interpret else x_as_s8_operand(q)
+
+        plgpu.commit_smem()  # the rounded x and its constants, visible to wgmma (the async proxy)
+        plgpu.barrier_arrive(xq_ready)
+        plgpu.barrier_wait(xq_ready)  # every compute warpgroup's chunks
 
     offsets = len(group_smems) > 1
 
-    def groups(slot, r0):  # yields (g, this warpgroup's codes of group g [rows, gw] in x's dtype, xᵀ [gw, M8])
+    def x_operand(j, slot, g):  # xᵀ [gw, M8] of group g of the unit of local step j
+        if s8:
+            return xq_smem.at[pl.ds(held_group(j, g) * m8, m8)].T
+        return x_smem.at[slot, :, pl.ds(g * gw, gw)].T
+
+    def groups(j, slot, r0):  # yields (g, this warpgroup's codes of group g [rows, gw] in x's dtype, xᵀ [gw, M8])
         c_rows = c_smem.at[slot, pl.ds(r0, rows)]  # [rows, tile_k]
         for ci in range(tile_k // cw):
             chunk = plgpu.load(c_rows.at[:, pl.ds(ci * cw, cw)], layout=upcast)  # [rows, cw]
@@ -386,7 +473,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 chunk = plgpu.layout_cast(chunk, plgpu.Layout.WGMMA).astype(cdt)
             for gj in range(cw // gw):
                 g = ci * (cw // gw) + gj  # group within the unit
-                yield g, chunk[:, gj * gw : (gj + 1) * gw], x_smem.at[slot, :, pl.ds(g * gw, gw)].T
+                yield g, chunk[:, gj * gw : (gj + 1) * gw], x_operand(j, slot, g)
 
     def per_row(slot, r0, g, which: int, dtype):  # scales (0) or offsets (1) of group g: [rows], row layout
         grow = g if lay.group <= tile_k else 0
@@ -398,7 +485,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)
         plgpu.barrier_wait(produced.at[slot])
-        for g, w, x_t in groups(slot, r0):
+        for g, w, x_t in groups(j, slot, r0):
             w = w * lax.broadcast_in_dim(per_row(slot, r0, g, 0, cdt), w.shape, [0])
             if offsets:
                 w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1, cdt), w.shape, [0])
@@ -414,7 +501,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
         def scope(*accs):  # one accumulator per group (and one per group's Σx)
             groups_of = []
-            for g, w, x_t in groups(slot, r0):
+            for g, w, x_t in groups(j, slot, r0):
                 mma(accs[g], w, x_t)  # (bias + codes)ᵀ · xᵀ
                 if sums:
                     mma(accs[lay.group_rows + g], ones, x_t)  # every row: Σ_k∈g x[m, k]
@@ -440,11 +527,12 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
         def scope(*accs):  # one int32 accumulator per group: (codes + 8)ᵀ · xqᵀ
             groups_of = []
-            for g, w, x_t in groups(slot, r0):
+            for g, w, x_t in groups(j, slot, r0):
                 mma(accs[g], w, x_t)
                 scales = per_row(slot, r0, g, 0, jnp.float32)
                 offs = per_row(slot, r0, g, 1, jnp.float32) if offsets else None
-                xc = [plgpu.load(xc_smem.at[slot, g * consts + i], layout=col_layout) for i in range(consts)]
+                gsl = pl.ds(held_group(j, g) * m8, m8)
+                xc = [plgpu.load(xc_smem.at[i, gsl], layout=col_layout) for i in range(xc_smem.shape[0])]
                 groups_of.append((g, scales, offs, xc))
             return [(accs[g][...], s, o, xc) for g, s, o, xc in groups_of]
 
@@ -460,6 +548,8 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     @pl.when(wg < wgs)
     def _compute():
+        if s8:
+            pl.when(nsteps > 0)(round_x)
         r0 = wg * rows
         t_first = lax.div(u0, ks)
 
@@ -514,12 +604,11 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"the kernel takes bf16 or f16 x, got {x.dtype}")
     if m > MAX_M:
         raise UntiledShape(f"the quantized stream GEMM takes M <= {MAX_M}, got M={m}")
-    if cfg.int4_feed not in ("biased", "relabel", "shuffle", "s8"):
-        raise UntiledShape(f"int4_feed must be 'biased', 'relabel', 'shuffle' or 's8', got {cfg.int4_feed!r}")
-    if cfg.int4_feed == "s8" and code_bits(first[0].dtype) == 4 and (group % 128 or cfg.tile_k % group):
-        raise UntiledShape(f"int4_feed='s8' needs G a multiple of 128 dividing tile_k={cfg.tile_k}, got G={group}")
-    if cfg.int4_feed == "s8" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
-        raise UntiledShape(f"int4_feed='s8' scales its int32 accumulators (scale_in='acc'), got {cfg.scale_in!r}")
+    if cfg.int4_feed not in ("biased", "relabel", "shuffle", "s8"):  # "auto" is resolved by now
+        raise UntiledShape(f"int4_feed must be 'auto', 'biased', 'relabel', 'shuffle' or 's8', got {cfg.int4_feed!r}")
+    s8 = cfg.int4_feed == "s8" and code_bits(first[0].dtype) == 4
+    if s8 and (why := _s8_shape_error(cfg, group, -(-m // 8) * 8)):
+        raise UntiledShape(f"int4_feed='s8' needs {why}")
     if cfg.int4_feed == "biased" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
         raise UntiledShape(f"int4_feed='biased' needs scale_in='acc', got {cfg.scale_in!r}")
     if cfg.scale_in not in ("acc", "w", "auto"):
@@ -534,6 +623,59 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"tile_k={cfg.tile_k} does not tile G={group} for {first[0].dtype} codes")
 
 
+def _s8_shape_error(cfg: QuantStreamBlocks, group: int, m8: int) -> str | None:
+    """Why the s8 feed cannot take this call (None: it can): it rounds x in 64-row chunks of (group, row)."""
+    if group % 128 or cfg.tile_k % group:
+        return f"G a multiple of 128 dividing tile_k={cfg.tile_k}, got G={group}"
+    if 64 % m8:
+        return f"M8 (M rounded up to 8) dividing 64, got M8={m8}"
+    if cfg.scale_in not in ("acc", "auto"):
+        return f"scale_in='acc' (it scales its int32 accumulators), got {cfg.scale_in!r}"
+    return None
+
+
+def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[int, _Layout]:
+    """(pipeline stages that fit in cfg.smem_bytes, the call's layout with cfg.stages) for resolved blocks.
+    A stage holds a unit's weight (and, but for s8, its x); s8 holds the CTA's x once, copied and rounded."""
+    m, k = x.shape
+    m8 = -(-m // 8) * 8
+    codes0, scales0, offsets0 = weights[0]
+    bits = code_bits(codes0.dtype)
+    sched = flat_gemm_stream.schedule(k, tuple(c.shape[1] for c, _, _ in weights), cfg.gemm_blocks(), ctas)
+    feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
+    bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
+    arrays = 2 if offsets0 is None else 3
+    lay = _Layout(
+        sched, cfg.tile_n, cfg.tile_k, group, cfg.stages, cfg.compute_wgs, arrays, cfg.scale_in, feed, bias, m8
+    )
+    group_rows = lay.group_rows
+    stage_bytes = cfg.tile_k * cfg.tile_n * bits // 8
+    stage_bytes += sum(group_rows * cfg.tile_n * a.dtype.itemsize for a in (scales0, offsets0) if a is not None)
+    fixed = cfg.compute_wgs * 2 * (cfg.tile_n // cfg.compute_wgs) * m8 * 4  # the flush buffers
+    if feed == "s8":
+        fixed += lay.x_rows * (group * (x.dtype.itemsize + 1) + (2 + (offsets0 is not None)) * 4)
+    else:
+        stage_bytes += cfg.tile_k * m8 * x.dtype.itemsize
+    return (cfg.smem_bytes - fixed) // stage_bytes, lay
+
+
+def resolve_blocks(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | None = None) -> QuantStreamBlocks:
+    """`cfg.resolved` for one call: x [M, K] and weights as `quant_stream_partials` takes them (arrays or
+    ShapeDtypeStructs). int4_feed "auto" becomes "s8" where G and M8 take it and cfg.stages pipeline stages
+    still fit beside the CTA's x, else "relabel". Fewer stages starve the pipeline: Llama-3.1-8B's gate+up
+    (x of 14 k-steps held, two stages left) took 31.8 µs with s8 against 22.6 relabelled (docs/kernels.md)."""
+    codes0, _, offsets0 = weights[0]
+    bits = code_bits(codes0.dtype)
+    ns = [c.shape[1] for c, _, _ in weights]
+    ctas = ctas or cfg.ctas or flat_gemm_stream.default_ctas()
+    s8_fits = False
+    if cfg.int4_feed == "auto" and bits == 4:
+        as_s8 = cfg.resolved(ns, offsets0 is not None, bits, s8_fits=True)
+        m8 = -(-x.shape[0] // 8) * 8
+        s8_fits = _s8_shape_error(as_s8, group, m8) is None and _plan(as_s8, x, weights, group, ctas)[0] >= cfg.stages
+    return cfg.resolved(ns, offsets0 is not None, bits, s8_fits)
+
+
 def quant_stream_partials(
     x, weights, layer, *, group: int, cfg: QuantStreamBlocks, permuted_codes: bool = False, interpret: bool = False
 ):
@@ -542,72 +684,55 @@ def quant_stream_partials(
     permuted_codes: the codes' columns are in `permute_k` order (int4 codes in whole 32-column groups,
     as `jaxdecode.quantized` stores them), so the relabelling feed takes x as it is."""
     weights = tuple(tuple(w) for w in weights)
-    cfg = cfg.resolved([c.shape[1] for c, _, _ in weights], weights[0][2] is not None, code_bits(weights[0][0].dtype))
-    _check(x, weights, group, cfg)
     m, k = x.shape
     m8 = -(-m // 8) * 8
     codes0, scales0, offsets0 = weights[0]
     bits = code_bits(codes0.dtype)
+    ctas = cfg.ctas or flat_gemm_stream.default_ctas()
+    cfg = resolve_blocks(cfg, x, weights, group, ctas)
+    _check(x, weights, group, cfg)
     arrays = 2 if offsets0 is None else 3
     gw = min(group, cfg.tile_k)
     group_rows = max(1, cfg.tile_k // group)
-    sched = flat_gemm_stream.schedule(
-        k, tuple(c.shape[1] for c, _, _ in weights), cfg.gemm_blocks(), cfg.ctas or flat_gemm_stream.default_ctas()
-    )
-    rows = cfg.tile_n // cfg.compute_wgs
-    feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
-    s8 = feed == "s8"
-    consts = 2 + (offsets0 is not None)  # s8: `quantize_activations`' constants per group and row
-    stage_bytes = cfg.tile_k * (m8 * (1 if s8 else x.dtype.itemsize) + cfg.tile_n * bits // 8)
-    groupwise = [a for a in (scales0, offsets0) if a is not None]
-    stage_bytes += sum(group_rows * cfg.tile_n * a.dtype.itemsize for a in groupwise)
-    step = 32 // np.gcd(m8, 32)  # rows of M8 f32 in a whole number of 128 bytes
-    xc_rows = -(-group_rows * consts // step) * step
-    stage_bytes += xc_rows * m8 * 4 if s8 else 0
-    flush_bytes = cfg.compute_wgs * 2 * rows * m8 * 4
-    fit = (cfg.smem_bytes - flush_bytes) // stage_bytes
+    fit, lay = _plan(cfg, x, weights, group, ctas)
     if fit < 2:
-        raise UntiledShape(f"two stages of {stage_bytes} bytes do not fit in smem_bytes={cfg.smem_bytes} at M={m}")
-    stages = max(2, min(cfg.stages, fit))
-    bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0  # s8's bias comes off with the wrapper's constants
-    lay = _Layout(
-        sched,
-        cfg.tile_n,
-        cfg.tile_k,
-        group,
-        stages,
-        cfg.compute_wgs,
-        arrays,
-        cfg.scale_in,
-        feed,
-        bias,
-        cfg.pdl and not interpret,
-    )
+        raise UntiledShape(f"two pipeline stages do not fit in smem_bytes={cfg.smem_bytes} at M={m}, K={k}")
+    lay = dataclasses.replace(lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret)
+    sched, feed, stages, rows = lay.sched, lay.feed, lay.stages, cfg.tile_n // cfg.compute_wgs
+    s8 = feed == "s8"
     if permuted_codes and (feed == "int8" or group % 32):
         raise UntiledShape(f"permuted_codes needs int4 codes in groups of 32 columns, got {bits}-bit codes, G={group}")
-    if not (permuted_codes and feed == "relabel"):  # relabelling stored-permuted codes undoes the order
+    if not (permuted_codes and feed in ("relabel", "s8")):  # these feeds read stored-permuted codes in x's order
         x = permute_k(x) if permuted_codes else x  # x in the codes' stored order, then in the feed's
-        x = {"biased": permute_pairs, "relabel": permute_k, "s8": permute_s8}.get(feed, lambda a: a)(x)
-    xc = ()
-    if s8:  # x rounded to int8 per group, with each group's constants (XLA, before the launch)
-        x, xc = quantize_activations(jnp.pad(x, ((0, m8 - m), (0, 0))), group, offsets0 is not None)
-        xc = (xc.reshape(-1, m8),)  # [K/G · C, M8]: a unit's constants are one run of rows
-    scratch = (
-        plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 8 * x.dtype.itemsize)),
+        x = {"biased": permute_pairs, "relabel": permute_k, "s8": permute_k}.get(feed, lambda a: a)(x)
+    groupwise = [a for a in (scales0, offsets0) if a is not None]
+    weight_stages = (
         plgpu.SMEM(
             (stages, cfg.tile_n, cfg.tile_k), codes0.dtype, transforms=smem_transforms(load_width(gw, bits), bits)
         ),
         *(plgpu.SMEM((stages, group_rows, cfg.tile_n), a.dtype) for a in groupwise),
-        plgpu.SMEM((cfg.compute_wgs, 2, rows, m8), jnp.float32),
-        # s8: each stage's constants, rows rounded up to whole 128 bytes (TMA's SMEM destinations must be)
-        *((plgpu.SMEM((stages, xc_rows, m8), jnp.float32),) if s8 else ()),
-        # produced: x (and its constants) and the weight's arrays
-        plgpu.Barrier(num_arrivals=1 + s8 + arrays, num_barriers=stages),
+        plgpu.SMEM((cfg.compute_wgs, 2, rows, m8), jnp.float32),  # each compute warpgroup's flushes
+    )
+    pipeline_barriers = (
+        plgpu.Barrier(num_arrivals=(not s8) + arrays, num_barriers=stages),  # produced: (x and) the weight's arrays
         plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=stages),  # consumed: every compute warpgroup
     )
+    if s8:  # the CTA's x as copied, rounded and its constants; x copied, x rounded by every compute warpgroup
+        scratch = (
+            plgpu.SMEM((lay.x_rows, group), x.dtype, transforms=smem_transforms(group, 8 * x.dtype.itemsize)),
+            plgpu.SMEM((lay.x_rows, group), jnp.int8, transforms=smem_transforms(group, 8)),
+            plgpu.SMEM((2 + (offsets0 is not None), lay.x_rows), jnp.float32),
+            *weight_stages,
+            *pipeline_barriers,
+            plgpu.Barrier(num_arrivals=lay.ks_held * group_rows),
+            plgpu.Barrier(num_arrivals=cfg.compute_wgs),
+        )
+    else:
+        x_stages = plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 8 * x.dtype.itemsize))
+        scratch = (x_stages, *weight_stages, *pipeline_barriers)
     if interpret:  # Mosaic GPU's interpreter takes wgmma operands from SMEM only, and scoped SMEM must be
         # shared by all warpgroups: each compute warpgroup stages its converted codes in its own row
-        scratch += (plgpu.SMEM((cfg.compute_wgs, rows, gw), x.dtype),)
+        scratch += (plgpu.SMEM((cfg.compute_wgs, rows, gw), jnp.int8 if s8 else x.dtype),)
     out = plgpu.kernel(
         functools.partial(_kernel, lay=lay, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),
@@ -620,9 +745,8 @@ def quant_stream_partials(
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
-        x if s8 or flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
+        x if flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
         *(a for w in weights for a in w if a is not None),
-        *xc,
     )
     return out, sched
 

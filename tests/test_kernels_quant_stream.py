@@ -88,6 +88,9 @@ CASES = {
     "int4_g128_m1_s8_offsets": Case(1, "int4", 128, offsets=True, feed="s8"),
     "int4_g128_m8_qkv_s8_permuted": Case(8, "int4", 128, ns=(256, 128, 128), feed="s8", permuted=True),
     "int4_g128_m5_s8_four_wgs_offsets": Case(5, "int4", 128, ns=(256, 512), offsets=True, wgs=4, feed="s8"),
+    # 20 units over 8 CTAs, 3 each: CTA 1 holds k-steps 3, 0, 1 (its x wraps around K)
+    "int4_g128_m1_s8_wrapping_permuted": Case(1, "int4", 128, ns=(640,), offsets=True, feed="s8", permuted=True),
+    "int4_g128_m12_s8_padded": Case(12, "int4", 128, ns=(128, 256), feed="s8"),  # M8 = 16, x padded
 }
 S8_CASES = [name for name, case in CASES.items() if case.feed == "s8"]
 # 8 CTAs off the GPU; K = 512 is 4 units per tile, so tiles span two or three CTAs
@@ -253,8 +256,9 @@ class TestCompiledAtLlamaShapes:
                 _close(out, ref, scale_in)
 
 
-LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K
+LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K; int4 at G = 128 takes the s8 feed
     "int4_g128_offsets_m1_qkv": (1, jnp.int4, 128, True, (4096, 1024, 1024)),
+    "int4_g128_offsets_m8_gate_up": (8, jnp.int4, 128, True, (14336, 14336)),
     "int4_g128_offsets_m1_gate": (1, jnp.int4, 128, True, (14336,)),
     "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336)),
     "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,)),
@@ -292,10 +296,12 @@ def test_lowers_for_hopper_on_any_host(name):
         dict(scale_in="x"),
         dict(wgs=5),
         dict(scale_in="w", feed="biased"),  # the bias comes off the accumulators only
+        dict(m=20, feed="s8"),  # M8 = 24 does not divide the 64-row chunks x is rounded in
+        dict(group=64, feed="s8"),  # int8 activations in groups of 128 columns or more
     ],
 )
 def test_untiled_shapes_are_refused_with_the_numbers(bad):
-    case = Case(bad.get("m", 1), "int4", 128, ns=(128, bad.get("n2", 128)), offsets=True)
+    case = Case(bad.get("m", 1), "int4", bad.get("group", 128), ns=(128, bad.get("n2", 128)), offsets=True)
     x, weights, layer = _inputs(case)
     if bad.get("mixed"):
         weights = (weights[0], (weights[1][0], weights[1][1], None))
@@ -306,7 +312,7 @@ def test_untiled_shapes_are_refused_with_the_numbers(bad):
         int4_feed=bad.get("feed", "relabel"),
     )
     with pytest.raises(qs.UntiledShape, match=r"\d|scale_in"):
-        qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg, interpret=True)
+        qs.quant_gemm_multi(x, weights, layer, group=case.g, block_sizes=cfg, interpret=True)
 
 
 def test_schedule_is_the_bf16_stream_kernels():
@@ -377,6 +383,46 @@ def test_permute_s8_moves_each_column_as_the_s8_conversion_does():
     for b, c, i, e in np.ndindex(k // 32, 4, 4, 2):
         assert cols[32 * b + 16 * e + 4 * c + i] == 32 * b + 8 * c + 2 * i + e
     assert sorted(cols) == list(range(k))
+
+
+def test_s8_x_order_for_permuted_codes_is_what_each_thread_holds():
+    """The kernel rounds x in the WGMMA layout and hands wgmma the bytes as WGMMA_LAYOUT_8BIT without moving
+    them between threads (`x_as_s8_operand`): operand column 32b + 16e + 4c + i is x's column 32b + 8i + 2c + e
+    (by hand), which lane column c holds in the WGMMA layout (columns 2c, 2c + 1 of each 8-column tile), and
+    that is permute_s8(permute_k(x)), the order s8 codes stored in permute_k order are read in."""
+    k = 64
+    cols = np.asarray(qs.permute_s8(qs.permute_k(jnp.arange(k)[None])))[0]
+    for b, e, c, i in np.ndindex(k // 32, 2, 4, 4):
+        src = cols[32 * b + 16 * e + 4 * c + i]
+        assert src == 32 * b + 8 * i + 2 * c + e and (src % 8) // 2 == c  # held by lane column c
+    assert sorted(cols) == list(range(k))
+
+
+@pytest.mark.parametrize(
+    "m, group, ns, want",
+    [
+        (1, 128, (4096, 1024, 1024), "s8"),
+        (8, 128, (4096,), "s8"),
+        (1, 128, (14336, 14336), "relabel"),  # x of 14 k-steps held: 3 stages fit, not the 4 asked for
+        (20, 128, (4096,), "relabel"),  # M8 = 24 does not divide 64
+        (1, 64, (4096,), "relabel"),  # groups under 128 columns
+    ],
+)
+def test_auto_feed_is_s8_where_it_applies(m, group, ns, want):
+    """int4_feed="auto" (the default): int8 activations at G = 128 and M8 dividing 64 where the CTA's x fits
+    in shared memory beside the stages asked for (Llama-3.1-8B's gate+up: each CTA holds x of 14 k-steps),
+    else the relabelled 16-bit feed."""
+    k = 4096
+    weights = tuple(
+        (
+            jax.ShapeDtypeStruct((2, n, k), jnp.int4),
+            jax.ShapeDtypeStruct((2, k // group, n), jnp.float16),
+            jax.ShapeDtypeStruct((2, k // group, n), jnp.float16),
+        )
+        for n in ns
+    )
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    assert qs.resolve_blocks(qs.QuantStreamBlocks(), x, weights, group, ctas=132).int4_feed == want
 
 
 def test_s8_lop3_gives_each_code_plus_8():
