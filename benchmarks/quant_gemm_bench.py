@@ -61,13 +61,14 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
     "stream_biased_4wg": qs.QuantStreamBlocks(tile_n=256, int4_feed="biased"),  # int4: biased codes, "acc"
     "stream_biased_2wg": qs.QuantStreamBlocks(tile_n=128, int4_feed="biased"),
-    "stream_relabel": qs.QuantStreamBlocks(int4_feed="relabel"),  # int4: 16-bit x, codes relabelled in registers
+    # 16-bit x: int4 codes relabelled in registers, int8 codes converted
+    "stream_relabel": qs.QuantStreamBlocks(int4_feed="relabel", int8_feed="convert"),
     "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout
     "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),
     "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
-INT8_VARIANTS = ("stream", "stream_w_2wg", "stream_acc_4wg", "tile")
+INT8_VARIANTS = ("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "tile")
 RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,
@@ -190,11 +191,12 @@ def quant_op(cfg, group: int = GROUP, interpret: bool = False):
 
 
 def feed(cfg, m: int, k: int, weight) -> str | None:
-    """The int4 feed a stream variant runs at M (int8 activations, "s8", are checked against their own
-    reference); None for the tile-per-CTA kernel."""
+    """The feed a stream variant runs at M for the weight's codes (int8 activations, "s8", are checked against
+    their own reference); None for the tile-per-CTA kernel."""
     if not isinstance(cfg, qs.QuantStreamBlocks):
         return None
-    return qs.resolve_blocks(cfg, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), (weight,), GROUP).int4_feed
+    cfg = qs.resolve_blocks(cfg, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), (weight,), GROUP)
+    return cfg.int8_feed if weight[0].dtype == jnp.int8 else cfg.int4_feed
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,15 +32,49 @@ import numpy as np
 from jaxdecode.bench import loop_mode
 from jaxdecode.decode import Engine
 from jaxdecode.loading import load_model
+from jaxdecode.looping import StackedRef, outside_runs
+from jaxdecode.model import Hook
+from jaxdecode.quantized import reorder_codes
+from kernels.quant_gemm_stream import quant_gemm_s8_reference
 
 PROMPTS_RAW = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
 PROMPTS_CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
-VARIANTS = {
-    "f32 (Q4_1 dequantized)": dict(dequantize=True),
-    "Q4_1 kept": {},
-    "int8 g128": dict(quantize="int8"),
-    "int4 g128": dict(quantize="int4"),
-    "int4 g32": dict(quantize="int4", group=32),
+
+
+@outside_runs
+def int8_activations_dot(x, codes, scales, *offsets):
+    """A `Hook.QUANT_DOT` that computes what the H200's int4 GEMM does by default (`int4_feed="auto"`, "s8"):
+    x rounded to int8 per row and group before the dot (`kernels.quant_gemm_stream.quant_gemm_s8_reference`)
+    for weights in groups of a multiple of 128 columns; None for the others (their dot runs as written). For
+    the int4 variant: on the CPU the codes arrive widened to int8, in K order."""
+    refs = (codes, scales, *offsets)
+    stacked = all(isinstance(r, StackedRef) for r in refs)
+    arrays = [r.stack for r in refs] if stacked else list(refs)
+    group = arrays[0].shape[-1] // arrays[1].shape[-2]
+    if group % 128 or not (stacked or arrays[0].ndim == 2):
+        return None
+    *lead, k = x.shape
+    y = quant_gemm_s8_reference(
+        x.reshape(-1, k),
+        reorder_codes(arrays[0], arrays[1]),
+        arrays[1],
+        arrays[2] if offsets else None,
+        codes.index if stacked else None,
+        group=group,
+    )  # [M, N] f32
+    return [y.astype(x.dtype).reshape(*lead, y.shape[-1])]
+
+
+VARIANTS = {  # name: (load_model keywords, Engine keywords)
+    "f32 (Q4_1 dequantized)": (dict(dequantize=True), {}),
+    "Q4_1 kept": ({}, {}),
+    "int8 g128": (dict(quantize="int8"), {}),
+    "int4 g128": (dict(quantize="int4"), {}),
+    "int4 g128, int8 activations as the H200 (G = 128)": (
+        dict(quantize="int4"),
+        dict(hooks={Hook.QUANT_DOT: int8_activations_dot}),
+    ),
+    "int4 g32": (dict(quantize="int4", group=32), {}),
 }
 
 
@@ -61,14 +95,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--text", default=os.path.join(os.path.dirname(__file__), "..", "README.md"))
     p.add_argument("--tokens", type=int, default=512, help="positions of the text scored for KL")
+    p.add_argument(
+        "--variants", default=None, help="';'-separated names of VARIANTS (default: all; the first is the reference)"
+    )
     args = p.parse_args(argv)
     rows, ref_logp, ref_greedy = [], None, None
-    for name, kw in VARIANTS.items():
+    for name, (kw, engine_kw) in VARIANTS.items():
+        if args.variants and name not in args.variants.split(";"):
+            continue
         loaded = load_model(**kw)
         tok = loaded.tokenizer
         with open(args.text, encoding="utf-8") as fh:
             ids = tok.encode(fh.read())[: args.tokens]
-        engine = Engine(loaded.model)
+        engine = Engine(loaded.model, **engine_kw)
         logp = log_softmax(engine.forward_logits(np.array([ids]))[0])  # [T, V]
         prompts = [tok.encode(t) for t in PROMPTS_RAW]
         prompts += [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in PROMPTS_CHAT]
@@ -86,7 +125,9 @@ def main(argv=None) -> int:
             greedy_all_equal=sum(a == 32 for a in agree),
             decode_tok_s=round(decode_tok_s(engine, prompts[0]), 2),
             loop_mode=loop_mode(engine),
-            unrolled_tok_s=round(decode_tok_s(Engine(loaded.model, loop_layers=False), prompts[0]), 2),
+            unrolled_tok_s=round(decode_tok_s(Engine(loaded.model, loop_layers=False), prompts[0]), 2)
+            if not engine_kw
+            else None,  # hooks act in the looped decode only
             positions=len(ids),
             backend=jax.default_backend(),
             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -98,9 +139,10 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     for r in rows:
+        unrolled = r["unrolled_tok_s"] or float("nan")
         print(
             f"{r['variant']:24} {r['kl_mean']:9.2e} {r['kl_max']:8.3f} {r['top1_agree']:6.3f} "
-            f"{r['greedy_all_equal']:>5}/{len(r['greedy_prefix'])} {r['decode_tok_s']:7.1f} {r['unrolled_tok_s']:8.1f}",
+            f"{r['greedy_all_equal']:>5}/{len(r['greedy_prefix'])} {r['decode_tok_s']:7.1f} {unrolled:8.1f}",
             file=sys.stderr,
         )
     os.makedirs(args.out, exist_ok=True)

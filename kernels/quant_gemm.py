@@ -137,6 +137,13 @@ def mma_from_registers(acc, w, x_t, interpret: bool, stage=None):
         via_smem(stage)
 
 
+def mma_from_smem(acc, w_smem, x_t):
+    """acc [rows, M8] += w_smem [rows, cols] · x_t [cols, M8], both in SMEM, complete on return (so the stage
+    they sit in can be released after the unit's last group)."""
+    plgpu.wgmma(acc, w_smem, x_t)
+    plgpu.wgmma_wait(0)
+
+
 def _kernel(
     layer_gmem,  # [1] int32
     x_gmem,  # [M8, K]

@@ -47,6 +47,7 @@ from kernels.quant_gemm import (
     code_bits,
     load_width,
     mma_from_registers,
+    mma_from_smem,
     permute_k,
     smem_transforms,
     tile_k_fits,
@@ -77,6 +78,9 @@ class QuantStreamBlocks:
     # tile_k, M8 dividing 64, codes in `permute_k` order or x permuted to it) or "auto" ("s8" where it
     # applies, else "relabel": `resolved`)
     int4_feed: str = "auto"
+    # int8 codes: "s8" (x rounded to int8 inside the kernel as for int4; the codes go from SMEM straight into an
+    # s8 wgmma, no conversion), "convert" (16-bit x, codes converted in registers) or "auto" (s8 where it applies)
+    int8_feed: str = "auto"
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
     pdl: bool = False  # programmatic dependent launch: as `flat_gemm_stream.StreamBlocks.pdl`
@@ -89,6 +93,7 @@ class QuantStreamBlocks:
         (four compute warpgroups: converting, scaling and offsetting int4 codes is what bounds it) and 128
         under "acc" (two: more measured slower); compute_wgs=None: one warpgroup per 64 rows."""
         feed = ("s8" if s8_fits else "relabel") if self.int4_feed == "auto" else self.int4_feed
+        feed8 = ("s8" if s8_fits else "convert") if self.int8_feed == "auto" else self.int8_feed
         biased = bits == 4 and feed == "biased"
         s8 = bits == 4 and feed == "s8"
         auto = "acc" if biased or s8 or not has_offsets else "w"
@@ -96,7 +101,12 @@ class QuantStreamBlocks:
         widest = (256, 128) if scale_in == "w" or s8 else (128,)
         tile_n = self.tile_n or next((t for t in widest if all(n % t == 0 for n in ns)), 64)
         return dataclasses.replace(
-            self, tile_n=tile_n, compute_wgs=self.compute_wgs or tile_n // 64, scale_in=scale_in, int4_feed=feed
+            self,
+            tile_n=tile_n,
+            compute_wgs=self.compute_wgs or tile_n // 64,
+            scale_in=scale_in,
+            int4_feed=feed,
+            int8_feed=feed8,
         )
 
     def gemm_blocks(self) -> flat_gemm_stream.StreamBlocks:
@@ -436,17 +446,24 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             @pl.when(wg == ch % wgs)
             def _():
                 rsl = pl.ds(ch * 64, 64)
-                xf = plgpu.load(xs_smem.at[rsl], layout=plgpu.Layout.WGMMA).astype(jnp.float32)  # [64, G]
+                # int4 codes want x in their stored order (`x_as_s8_operand`), int8 codes in K order: the
+                # WGMMA_LAYOUT_8BIT registers as loaded
+                layout = plgpu.Layout.WGMMA if bits == 4 else plgpu.Layout.WGMMA_8BIT
+                xf = plgpu.load(xs_smem.at[rsl], layout=layout).astype(jnp.float32)  # [64, G]
                 amax = jnp.max(jnp.abs(xf), axis=1)  # [64]
                 s = jnp.where(amax > 0, amax / 127, jnp.float32(1))
                 q = jnp.round(xf / lax.broadcast_in_dim(s, xf.shape, [0]))
                 q = jnp.minimum(jnp.maximum(q, jnp.float32(-127)), jnp.float32(127))
                 xc_smem.at[0, rsl][...] = s
-                xc_smem.at[1, rsl][...] = -S8_BIAS * s * q.sum(axis=1)  # Σ xq: exact in f32 (|.| <= 127 G)
+                code_bias = S8_BIAS if bits == 4 else 0  # int4 codes go in as code + 8
+                xc_smem.at[1, rsl][...] = -code_bias * s * q.sum(axis=1)  # Σ xq: exact in f32 (|.| <= 127 G)
                 if xc_smem.shape[0] == 3:
                     xc_smem.at[2, rsl][...] = xf.sum(axis=1)
                 q = q.astype(jnp.int8)
-                xq_smem.at[rsl][...] = permute_s8(permute_k(q)) if interpret else x_as_s8_operand(q)
+                if bits == 8:
+                    xq_smem.at[rsl][...] = q
+                else:
+                    xq_smem.at[rsl][...] = permute_s8(permute_k(q)) if interpret else x_as_s8_operand(q)
 
         plgpu.commit_smem()  # the rounded x and its constants, visible to wgmma (the async proxy)
         plgpu.barrier_arrive(xq_ready)
@@ -461,6 +478,10 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     def groups(j, slot, r0):  # yields (g, this warpgroup's codes of group g [rows, gw] in x's dtype, xᵀ [gw, M8])
         c_rows = c_smem.at[slot, pl.ds(r0, rows)]  # [rows, tile_k]
+        if s8 and bits == 8:  # int8 codes are wgmma's operand as they sit in SMEM
+            for g in range(tile_k // gw):
+                yield g, c_rows.at[:, pl.ds(g * gw, gw)], x_operand(j, slot, g)
+            return
         for ci in range(tile_k // cw):
             chunk = plgpu.load(c_rows.at[:, pl.ds(ci * cw, cw)], layout=upcast)  # [rows, cw]
             if s8:
@@ -480,7 +501,10 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         return plgpu.load(group_smems[which].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(dtype)
 
     def mma(acc, w, x_t):  # complete on return
-        mma_from_registers(acc, w, x_t, interpret, w_stage.at[wg] if interpret else None)
+        if s8 and bits == 8:
+            mma_from_smem(acc, w, x_t)
+        else:
+            mma_from_registers(acc, w, x_t, interpret, w_stage.at[wg] if interpret else None)
 
     def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)
@@ -606,16 +630,18 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"the quantized stream GEMM takes M <= {MAX_M}, got M={m}")
     if cfg.int4_feed not in ("biased", "relabel", "shuffle", "s8"):  # "auto" is resolved by now
         raise UntiledShape(f"int4_feed must be 'auto', 'biased', 'relabel', 'shuffle' or 's8', got {cfg.int4_feed!r}")
-    s8 = cfg.int4_feed == "s8" and code_bits(first[0].dtype) == 4
-    if s8 and (why := _s8_shape_error(cfg, group, -(-m // 8) * 8)):
-        raise UntiledShape(f"int4_feed='s8' needs {why}")
+    bits = code_bits(first[0].dtype)
+    feed = cfg.int4_feed if bits == 4 else cfg.int8_feed
+    if cfg.int8_feed not in ("s8", "convert"):  # "auto" is resolved by now
+        raise UntiledShape(f"int8_feed must be 'auto', 's8' or 'convert', got {cfg.int8_feed!r}")
+    if feed == "s8" and (why := _s8_shape_error(cfg, group, -(-m // 8) * 8)):
+        raise UntiledShape(f"int{bits}_feed='s8' needs {why}")
     if cfg.int4_feed == "biased" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
         raise UntiledShape(f"int4_feed='biased' needs scale_in='acc', got {cfg.scale_in!r}")
     if cfg.scale_in not in ("acc", "w", "auto"):
         raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
     if cfg.compute_wgs not in (1, 2, 3, 4) or cfg.tile_n % (64 * cfg.compute_wgs):
         raise UntiledShape(f"tile_n={cfg.tile_n} must be 64 rows per compute warpgroup ({cfg.compute_wgs})")
-    bits = code_bits(first[0].dtype)
     ns = [c.shape[1] for c, _, _ in weights]
     if k % cfg.tile_k or any(n % cfg.tile_n for n in ns):
         raise UntiledShape(f"K={k} / N={ns} must be multiples of tile_k={cfg.tile_k} / tile_n={cfg.tile_n}")
@@ -642,7 +668,10 @@ def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[in
     codes0, scales0, offsets0 = weights[0]
     bits = code_bits(codes0.dtype)
     sched = flat_gemm_stream.schedule(k, tuple(c.shape[1] for c, _, _ in weights), cfg.gemm_blocks(), ctas)
-    feed = "int8" if bits == 8 else cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
+    if bits == 8:
+        feed = "s8" if cfg.int8_feed == "s8" else "int8"
+    else:
+        feed = cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
     bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
     arrays = 2 if offsets0 is None else 3
     lay = _Layout(
@@ -669,7 +698,7 @@ def resolve_blocks(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | N
     ns = [c.shape[1] for c, _, _ in weights]
     ctas = ctas or cfg.ctas or flat_gemm_stream.default_ctas()
     s8_fits = False
-    if cfg.int4_feed == "auto" and bits == 4:
+    if (cfg.int4_feed if bits == 4 else cfg.int8_feed) == "auto":
         as_s8 = cfg.resolved(ns, offsets0 is not None, bits, s8_fits=True)
         m8 = -(-x.shape[0] // 8) * 8
         s8_fits = _s8_shape_error(as_s8, group, m8) is None and _plan(as_s8, x, weights, group, ctas)[0] >= cfg.stages
@@ -704,7 +733,8 @@ def quant_stream_partials(
         raise UntiledShape(f"permuted_codes needs int4 codes in groups of 32 columns, got {bits}-bit codes, G={group}")
     if not (permuted_codes and feed in ("relabel", "s8")):  # these feeds read stored-permuted codes in x's order
         x = permute_k(x) if permuted_codes else x  # x in the codes' stored order, then in the feed's
-        x = {"biased": permute_pairs, "relabel": permute_k, "s8": permute_k}.get(feed, lambda a: a)(x)
+        int4_s8 = permute_k if bits == 4 else lambda a: a  # int8 codes are in K order
+        x = {"biased": permute_pairs, "relabel": permute_k, "s8": int4_s8}.get(feed, lambda a: a)(x)
     groupwise = [a for a in (scales0, offsets0) if a is not None]
     weight_stages = (
         plgpu.SMEM(

@@ -91,6 +91,9 @@ CASES = {
     # 20 units over 8 CTAs, 3 each: CTA 1 holds k-steps 3, 0, 1 (its x wraps around K)
     "int4_g128_m1_s8_wrapping_permuted": Case(1, "int4", 128, ns=(640,), offsets=True, feed="s8", permuted=True),
     "int4_g128_m12_s8_padded": Case(12, "int4", 128, ns=(128, 256), feed="s8"),  # M8 = 16, x padded
+    # int8 codes with int8 activations: codes from SMEM straight into the s8 wgmma
+    "int8_g128_m1_qkv_s8": Case(1, "int8", 128, ns=(256, 128, 128), feed="s8"),
+    "int8_g128_m8_s8_bf16scales": Case(8, "int8", 128, ns=(640,), scales="bfloat16", feed="s8"),
 }
 S8_CASES = [name for name, case in CASES.items() if case.feed == "s8"]
 # 8 CTAs off the GPU; K = 512 is 4 units per tile, so tiles span two or three CTAs
@@ -160,6 +163,7 @@ class TestQuantStream:
             tile_n=max(128, 64 * case.wgs),
             scale_in=case.scale_in,
             int4_feed=case.feed,
+            int8_feed="s8" if case.feed == "s8" else "convert",
         )
         return cfg if self.INTERPRET else dataclasses.replace(cfg, ctas=None)
 
@@ -234,21 +238,22 @@ class TestCompiledAtLlamaShapes:
     INTERPRET = False  # conftest's fixture runs module-level tests on the CPU device: a class keeps the GPU
 
     @pytest.mark.parametrize("pdl", [False, True])
-    @pytest.mark.parametrize("fmt", ["int4", "int8", "int4_s8"])
+    @pytest.mark.parametrize("fmt", ["int4", "int8", "int4_s8", "int8_s8"])
     @pytest.mark.parametrize("name", list(LLAMA))
     def test_every_call_matches_reference(self, fmt, name, pdl):
         """The engine's blocks (`QuantStreamBlocks()`, every SM) at full size, three calls of one compiled
         function: a register-operand hazard once corrupted some calls and not others at these shapes, never
-        at the small ones above (docs/kernels.md). pdl: weights loaded before griddepcontrol.wait. int4_s8:
+        at the small ones above (docs/kernels.md). pdl: weights loaded before griddepcontrol.wait. *_s8:
         the int8-activation feed against its own reference."""
         m, ns, k = LLAMA[name]
-        s8 = fmt == "int4_s8"
-        fmt = "int4" if s8 else fmt
+        s8 = fmt.endswith("_s8")
+        fmt = fmt.removesuffix("_s8")
         case = Case(m, fmt, 128, ns=ns, offsets=fmt == "int4", k=k)
         x, weights, layer = _inputs(case)
         reference = qs.quant_gemm_s8_reference if s8 else qg.quant_gemm_reference
         refs = [reference(x, c, s, o, layer, group=128) for c, s, o in weights]
-        cfg = qs.QuantStreamBlocks(pdl=pdl, int4_feed="s8" if s8 else "relabel")
+        feed = dict(int4_feed="s8", int8_feed="s8") if s8 else dict(int4_feed="relabel", int8_feed="convert")
+        cfg = qs.QuantStreamBlocks(pdl=pdl, **feed)
         gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg))
         scale_in = cfg.resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
         for _ in range(3):
@@ -362,7 +367,7 @@ def test_register_operand_wgmmas_go_through_the_waiting_helpers():
     import ast
     import pathlib
 
-    helpers = {"mma_from_registers"}
+    helpers = {"mma_from_registers", "mma_from_smem"}
     root = pathlib.Path(qs.__file__).parent
     for name in ("quant_gemm.py", "quant_gemm_stream.py", "quant_mlp.py"):
         tree = ast.parse((root / name).read_text())
@@ -406,6 +411,8 @@ def test_s8_x_order_for_permuted_codes_is_what_each_thread_holds():
         (1, 128, (14336, 14336), "relabel"),  # x of 14 k-steps held: 3 stages fit, not the 4 asked for
         (20, 128, (4096,), "relabel"),  # M8 = 24 does not divide 64
         (1, 64, (4096,), "relabel"),  # groups under 128 columns
+        (1, 128, (4096,), "s8_int8"),  # int8 codes: s8 from SMEM
+        (20, 128, (4096,), "convert_int8"),
     ],
 )
 def test_auto_feed_is_s8_where_it_applies(m, group, ns, want):
@@ -413,16 +420,18 @@ def test_auto_feed_is_s8_where_it_applies(m, group, ns, want):
     in shared memory beside the stages asked for (Llama-3.1-8B's gate+up: each CTA holds x of 14 k-steps),
     else the relabelled 16-bit feed."""
     k = 4096
+    want, _, int8 = want.partition("_")
     weights = tuple(
         (
-            jax.ShapeDtypeStruct((2, n, k), jnp.int4),
-            jax.ShapeDtypeStruct((2, k // group, n), jnp.float16),
-            jax.ShapeDtypeStruct((2, k // group, n), jnp.float16),
+            jax.ShapeDtypeStruct((2, n, k), jnp.int8 if int8 else jnp.int4),
+            jax.ShapeDtypeStruct((2, k // group, n), jnp.float32),
+            None if int8 else jax.ShapeDtypeStruct((2, k // group, n), jnp.float32),
         )
         for n in ns
     )
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    assert qs.resolve_blocks(qs.QuantStreamBlocks(), x, weights, group, ctas=132).int4_feed == want
+    cfg = qs.resolve_blocks(qs.QuantStreamBlocks(), x, weights, group, ctas=132)
+    assert (cfg.int8_feed if int8 else cfg.int4_feed) == want
 
 
 def test_s8_lop3_gives_each_code_plus_8():
