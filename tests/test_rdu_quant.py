@@ -67,12 +67,12 @@ def test_the_engines_variants_and_fused_launches():
     for fmt, name in ENGINE_VARIANT.items():
         v = {k: x for k, x in bench["variants"][name].items() if k != "kernel"}
         offsets, bits, resolved = want[fmt]
-        # `pdl` came after the run; its default (off) is the kernel the run timed. The run timed the relabel
-        # feed: the engine's "auto" still gives it to gate+up, and int8 activations to o, q·k·v and down at
-        # M <= 8, which the fit does not hold yet (docs/rdu.md)
-        assert v.get("int4_feed") == "relabel" and engine["int4_feed"] == "auto"
+        # `pdl` came after the run; its default (off) is the kernel the run timed. The run timed 16-bit x (int4
+        # relabelled, int8 converted; `int8_feed` came after it): the engine's "auto" feeds still give it to
+        # gate+up, and int8 activations to o, q·k·v and down at M <= 8, which the fit does not hold yet (docs/rdu.md)
+        assert v.get("int4_feed") == "relabel" and engine["int4_feed"] == engine["int8_feed"] == "auto"
         assert {**v, "int4_feed": "auto"} == {k: x for k, x in engine.items() if k in v}
-        assert set(engine) - set(v) <= {"pdl"}
+        assert set(engine) - set(v) <= {"pdl", "int8_feed"}
         assert not engine.get("pdl", False)
         r = QuantStreamBlocks(**v).resolved((4096, 6144, 14336, 28672), has_offsets=offsets, bits=bits)
         assert (r.scale_in, r.tile_n, r.compute_wgs) == resolved
