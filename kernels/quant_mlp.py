@@ -47,8 +47,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
+from kernels.quant_feeds import relabel_as_wgmma
 from kernels.quant_gemm import UntiledShape, code_bits, load_width, mma_from_registers, permute_k, smem_transforms
-from kernels.quant_gemm_stream import copy_weight_unit, relabel_as_wgmma
+from kernels.quant_gemm_stream import copy_weight_unit
 
 MAX_M = 8  # batch rows: the fixup's h block [M8, 64] per warpgroup and the accumulators are sized for M8 = 8
 TILE = 256  # weight rows per unit (4 compute warpgroups of 64) = h's columns per fixup block = down's tile_k

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kernels import flat_gemm_stream
+from kernels import quant_feeds as qf
 from kernels import quant_gemm as qg
 from kernels import quant_gemm_stream as qs
 
@@ -342,7 +343,7 @@ def test_permute_k_moves_each_column_as_the_register_relabel_does():
 def test_permute_pairs_moves_each_column_as_the_biased_conversion_pairs_them():
     """permute_pairs puts column 32b + 8c + t + 4e (code t + 4e of lane c's register) at 32b + 8t + 2c + e."""
     k = 64
-    cols = np.asarray(qs.permute_pairs(jnp.arange(k)[None]))[0]
+    cols = np.asarray(qf.permute_pairs(jnp.arange(k)[None]))[0]
     for b, c, t, e in np.ndindex(k // 32, 4, 4, 2):
         assert cols[32 * b + 8 * t + 2 * c + e] == 32 * b + 8 * c + t + 4 * e
     assert sorted(cols) == list(range(k))
@@ -352,7 +353,7 @@ def test_permute_pairs_moves_each_column_as_the_biased_conversion_pairs_them():
 def test_bias_bits_are_the_bias_plus_each_code(dtype):
     """The lop3's output, (nibble & 0xF) ^ the bias's half-word, read as `dtype`, is bias + code for every int4
     code: the sign flip of the nibble adds 8 to the code and the exponent bits make the mantissa count units."""
-    bias, half = qs.BIAS_BITS[jnp.dtype(dtype)]
+    bias, half = qf.BIAS_BITS[jnp.dtype(dtype)]
     codes = np.arange(-8, 8)
     bits = ((codes & 0xF) ^ half).astype(np.uint16)
     values = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype), np.float64)
@@ -384,7 +385,7 @@ def test_permute_s8_moves_each_column_as_the_s8_conversion_does():
     """permute_s8 puts column 32b + 8c + 2i + e (byte i of lane c's low (e = 0) or high (e = 1) register)
     at 32b + 16e + 4c + i, where WGMMA_LAYOUT_8BIT hands wgmma that byte (by hand)."""
     k = 64
-    cols = np.asarray(qs.permute_s8(jnp.arange(k)[None]))[0]
+    cols = np.asarray(qf.permute_s8(jnp.arange(k)[None]))[0]
     for b, c, i, e in np.ndindex(k // 32, 4, 4, 2):
         assert cols[32 * b + 16 * e + 4 * c + i] == 32 * b + 8 * c + 2 * i + e
     assert sorted(cols) == list(range(k))
@@ -396,7 +397,7 @@ def test_s8_x_order_for_permuted_codes_is_what_each_thread_holds():
     (by hand), which lane column c holds in the WGMMA layout (columns 2c, 2c + 1 of each 8-column tile), and
     that is permute_s8(permute_k(x)), the order s8 codes stored in permute_k order are read in."""
     k = 64
-    cols = np.asarray(qs.permute_s8(qs.permute_k(jnp.arange(k)[None])))[0]
+    cols = np.asarray(qf.permute_s8(qg.permute_k(jnp.arange(k)[None])))[0]
     for b, e, c, i in np.ndindex(k // 32, 2, 4, 4):
         src = cols[32 * b + 16 * e + 4 * c + i]
         assert src == 32 * b + 8 * i + 2 * c + e and (src % 8) // 2 == c  # held by lane column c
@@ -441,7 +442,7 @@ def test_s8_lop3_gives_each_code_plus_8():
     lut = 0x28
     bits = [(lut >> ((((a >> j) & 1) << 2) | (((b >> j) & 1) << 1) | ((c >> j) & 1))) & 1 for j in range(4)]
     out = sum(bit << j for j, bit in enumerate(bits))
-    np.testing.assert_array_equal(out, codes + qs.S8_BIAS)
+    np.testing.assert_array_equal(out, codes + qf.S8_BIAS)
 
 
 def test_quantize_activations_by_hand():
@@ -449,7 +450,7 @@ def test_quantize_activations_by_hand():
     s, -8 s Σ xq and Σ x; an all-zero group gets s = 1 and xq = 0."""
     x = jax.random.normal(jax.random.key(3), (8, 512), jnp.float32).astype(jnp.bfloat16)
     x = x.at[2, 128:256].set(0)
-    xq, consts = qs.quantize_activations(x, 128, offsets=True)
+    xq, consts = qf.quantize_activations(x, 128, offsets=True)
     xf = np.asarray(x, np.float32).reshape(8, 4, 128)
     q = np.asarray(xq, np.int32).reshape(8, 4, 128)
     s, bias, xsum = (np.asarray(consts[:, i]).T for i in range(3))  # [M8, K/G] each
@@ -469,7 +470,7 @@ def test_s8_reference_is_within_the_rounding_of_x_of_the_exact_product():
     ref = np.asarray(qs.quant_gemm_s8_reference(x, c, s, o, layer, group=128))
     exact = np.asarray(qg.quant_gemm_reference(x, c, s, o, layer, group=128, out_dtype=jnp.float32))
     w = np.abs(np.asarray(qg.dequantize_reference(c[layer], s[layer], None, group=128)))  # [K, N]
-    _, consts = qs.quantize_activations(x, 128, offsets=True)
+    _, consts = qf.quantize_activations(x, 128, offsets=True)
     step = np.repeat(np.asarray(consts[:, 0]).T, 128, axis=1)  # [M, K]: each column's s
     bound = (step / 2) @ w + 1e-4
     assert (np.abs(ref - exact) <= bound).all() and (np.abs(ref - exact) > 0).any()
