@@ -196,7 +196,7 @@ def feed(cfg, m: int, k: int, weight) -> str | None:
     if not isinstance(cfg, qs.QuantStreamBlocks):
         return None
     cfg = qs.resolve_blocks(cfg, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), (weight,), GROUP)
-    return cfg.int8_feed if weight[0].dtype == jnp.int8 else cfg.int4_feed
+    return cfg.feed_for(qg.code_bits(weight[0].dtype))
 
 
 # ---------------------------------------------------------------------------------------------

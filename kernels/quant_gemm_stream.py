@@ -100,8 +100,8 @@ class QuantStreamBlocks:
     pdl: bool = False  # programmatic dependent launch: as `flat_gemm_stream.StreamBlocks.pdl`
 
     def resolved(self, ns, has_offsets: bool, bits: int = 4, s8_fits: bool = False) -> QuantStreamBlocks:
-        """These blocks for weights of widths `ns` and codes of `bits`. int4_feed "auto": "s8" where `s8_fits`
-        (the call's G, M and shared memory take it: `quant_stream_partials` asks `_s8_plan`), else "relabel".
+        """These blocks for weights of widths `ns` and codes of `bits`. int4_feed / int8_feed "auto": "s8" where
+        `s8_fits` (the call's G, M and shared memory take it: `resolve_blocks` asks), else "relabel" / "convert".
         scale_in "auto": "acc" for biased and s8 int4 codes, else "w" for weights with offsets and "acc"
         otherwise; tile_n=None: the widest tile that divides every width, up to 256 rows under "w" and s8
         (four compute warpgroups: converting, scaling and offsetting int4 codes is what bounds it) and 128
@@ -123,6 +123,10 @@ class QuantStreamBlocks:
             int8_feed=feed8,
         )
 
+    def feed_for(self, bits: int) -> str:
+        """The feed field that applies to codes of `bits`: int4_feed or int8_feed."""
+        return self.int4_feed if bits == 4 else self.int8_feed
+
     def gemm_blocks(self) -> flat_gemm_stream.StreamBlocks:
         """The same units as `flat_gemm_stream` lays them out (its `schedule` and `combine` apply)."""
         return flat_gemm_stream.StreamBlocks(tile_n=self.tile_n, tile_k=self.tile_k, ctas=self.ctas)
@@ -140,7 +144,7 @@ class _Layout:
     wgs: int
     arrays: int  # arrays per weight: codes, scales (, offsets)
     scale_in: str
-    feed: str  # "biased", "relabel", "shuffle" or "s8" for int4 codes (x permuted to match), "int8"
+    feed: str  # int4 codes: "biased", "relabel", "shuffle" (x permuted to match); int8: "int8"; either: "s8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     m8: int  # x's rows padded to 8
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
@@ -451,12 +455,12 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
     if cfg.int4_feed not in ("biased", "relabel", "shuffle", "s8"):  # "auto" is resolved by now
         raise UntiledShape(f"int4_feed must be 'auto', 'biased', 'relabel', 'shuffle' or 's8', got {cfg.int4_feed!r}")
     bits = code_bits(first[0].dtype)
-    feed = cfg.int4_feed if bits == 4 else cfg.int8_feed
+    feed = cfg.feed_for(bits)
     if cfg.int8_feed not in ("s8", "convert"):  # "auto" is resolved by now
         raise UntiledShape(f"int8_feed must be 'auto', 's8' or 'convert', got {cfg.int8_feed!r}")
     if feed == "s8" and (why := _s8_shape_error(cfg, group, -(-m // 8) * 8)):
         raise UntiledShape(f"int{bits}_feed='s8' needs {why}")
-    if cfg.int4_feed == "biased" and code_bits(first[0].dtype) == 4 and cfg.scale_in != "acc":
+    if feed == "biased" and cfg.scale_in != "acc":
         raise UntiledShape(f"int4_feed='biased' needs scale_in='acc', got {cfg.scale_in!r}")
     if cfg.scale_in not in ("acc", "w", "auto"):
         raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
@@ -510,15 +514,16 @@ def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[in
 
 def resolve_blocks(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | None = None) -> QuantStreamBlocks:
     """`cfg.resolved` for one call: x [M, K] and weights as `quant_stream_partials` takes them (arrays or
-    ShapeDtypeStructs). int4_feed "auto" becomes "s8" where G and M8 take it and cfg.stages pipeline stages
-    still fit beside the CTA's x, else "relabel". Fewer stages starve the pipeline: Llama-3.1-8B's gate+up
-    (x of 14 k-steps held, two stages left) measured far slower with s8 than relabelled (docs/kernels.md)."""
+    ShapeDtypeStructs). int4_feed / int8_feed "auto" becomes "s8" where G and M8 take it and cfg.stages pipeline
+    stages still fit beside the CTA's x, else "relabel" / "convert". Fewer stages starve the pipeline:
+    Llama-3.1-8B's gate+up (x of 14 k-steps held, two stages left) measured far slower with s8 than relabelled
+    (docs/kernels.md)."""
     codes0, _, offsets0 = weights[0]
     bits = code_bits(codes0.dtype)
     ns = [c.shape[1] for c, _, _ in weights]
     ctas = ctas or cfg.ctas or flat_gemm_stream.default_ctas()
     s8_fits = False
-    if (cfg.int4_feed if bits == 4 else cfg.int8_feed) == "auto":
+    if cfg.feed_for(bits) == "auto":
         as_s8 = cfg.resolved(ns, offsets0 is not None, bits, s8_fits=True)
         m8 = -(-x.shape[0] // 8) * 8
         s8_fits = _s8_shape_error(as_s8, group, m8) is None and _plan(as_s8, x, weights, group, ctas)[0] >= cfg.stages
