@@ -66,9 +66,12 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout
     "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),
     "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
+    # the weights of 2 or 4 units past the ring asked into L2 as each unit's copies are issued
+    "stream_l2pf2": qs.QuantStreamBlocks(l2_prefetch=2),
+    "stream_l2pf4": qs.QuantStreamBlocks(l2_prefetch=4),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
-INT8_VARIANTS = ("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "tile")
+INT8_VARIANTS = ("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "stream_l2pf2", "stream_l2pf4", "tile")
 RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,
@@ -78,6 +81,7 @@ RUN = dict(
     interpret=False,
     fg_blocks=fg.BlockSizes(),
     dry=False,
+    bf16=True,  # time the bf16 rows
     deadline=float("inf"),  # perf_counter time after which timing rows are skipped (--budget-s)
     save=lambda: None,  # writes the JSON so far (--out), after every row
 )
@@ -353,6 +357,8 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
                     attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, arrays, n, k, ref)
             del codes, scales, offsets
             gc.collect()
+        if not RUN["bf16"]:
+            continue
         w = jax.random.normal(key, (layers, k, n), jnp.float32).astype(jnp.bfloat16)  # [L, K, N]
         flat = lambda x, l, w: fg.flat_gemm(x, w, l, impl="mosaic", block_sizes=RUN["fg_blocks"], interpret=interp)
         dot = lambda x, l, w: jnp.dot(x, lax.dynamic_index_in_dim(w, l, 0, False), preferred_element_type=jnp.float32)
@@ -460,7 +466,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--dry-run", action="store_true", help="interpret mode on tiny shapes (the CPU works)")
     ap.add_argument("--skip-timing", action="store_true", help="the ceiling and the correctness check only")
     ap.add_argument("--budget-s", type=float, default=210, help="start no timing row after this many seconds")
+    ap.add_argument("--shapes", default=None, help="comma-separated names of SHAPES and FUSED to time (default: all)")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 rows (flat GEMM and XLA's dot)")
     args = ap.parse_args(argv)
+    if args.shapes:
+        names = args.shapes.split(",")
+        RUN["shapes"] = {k: v for k, v in SHAPES.items() if k in names}
+        RUN["fused"] = {k: v for k, v in FUSED.items() if k in names}
+    RUN["bf16"] = not args.no_bf16
     if args.dry_run:
         dry_mode()
     t_start = time.perf_counter()

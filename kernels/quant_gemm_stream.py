@@ -98,6 +98,14 @@ class QuantStreamBlocks:
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
     pdl: bool = False  # programmatic dependent launch: as `flat_gemm_stream.StreamBlocks.pdl`
+    # units past the ring whose weights the memory warpgroup asks into L2 (TMA prefetch) as it issues a unit's
+    # copies: more bytes in flight than the stages hold, so HBM stays busy while landed stages await their
+    # compute (a launch's first stage lands only as the whole first burst does); 0: none
+    l2_prefetch: int = 0
+    # a directory: Mosaic GPU's in-kernel profiler writes there a trace of the kernel's named regions (the
+    # waits, units and flushes of every warpgroup of every CTA) at the call's first run; a diagnostic whose
+    # buffer takes shared memory (`benchmarks/kernel_timeline.py` reads it)
+    trace_dir: str = ""
 
     def resolved(self, ns, has_offsets: bool, bits: int = 4, s8_fits: bool = False) -> QuantStreamBlocks:
         """These blocks for weights of widths `ns` and codes of `bits`. int4_feed / int8_feed "auto": "s8" where
@@ -148,6 +156,11 @@ class _Layout:
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     m8: int  # x's rows padded to 8
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
+    l2_prefetch: int = 0  # `QuantStreamBlocks.l2_prefetch`
+
+    @property
+    def trace_regions(self) -> int:  # regions a warpgroup enters in one call, at most: two per unit and a few
+        return 4 * self.sched.units_per_cta + 16
 
     @property
     def ks_held(self) -> int:  # s8: the k-steps of one CTA's units (consecutive, modulo ks), whose x it rounds
@@ -187,6 +200,23 @@ def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, sl
             plgpu.copy_gmem_to_smem(codes.at[layer, nsl, ksl], c_smem.at[slot], barrier.at[slot])
             for a, a_smem in zip(groupwise, group_smems):
                 plgpu.copy_gmem_to_smem(a.at[layer, gsl, nsl], a_smem.at[slot], barrier.at[slot])
+
+
+def prefetch_weight_unit(weights, tiles, t, kk, layer, tile):
+    """Ask the arrays of one unit (as `copy_weight_unit` names it) into L2, for a copy soon after."""
+    tile_n, tile_k, group = tile
+    group_rows = max(1, tile_k // group)
+    ksl = pl.ds(kk * tile_k, tile_k)
+    gsl = pl.ds(lax.div(kk * tile_k, group * group_rows) * group_rows, group_rows)
+    starts = np.cumsum((0,) + tuple(tiles))
+    for i, (codes, *groupwise) in enumerate(weights):
+
+        @pl.when((t >= starts[i]) & (t < starts[i + 1]))
+        def _():
+            nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
+            plgpu.async_prefetch(codes.at[layer, nsl, ksl])
+            for a in groupwise:
+                plgpu.async_prefetch(a.at[layer, gsl, nsl])
 
 
 def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
@@ -248,14 +278,29 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         issue_x(j, slot)
         issue_weights(j, slot)
 
+    def prefetch(j):  # unit j's weights into L2, if the CTA has a unit j
+        if lay.l2_prefetch and not interpret:  # a hint only: the interpreter has no L2
+
+            @pl.when(j < nsteps)
+            def _():
+                u = u0 + j
+                tile = (tile_n, tile_k, lay.group)
+                prefetch_weight_unit(weights, sched.tiles, lax.div(u, ks), lax.rem(u, ks), layer, tile)
+
     @pl.when(wg == wgs)
     def _memory():
-        flat_gemm_stream.pdl_prologue(lay.stages, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
+        with jax.named_scope("issue_first"):
+            flat_gemm_stream.pdl_prologue(lay.stages, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
+            for j in range(lay.l2_prefetch):
+                prefetch(lay.stages + j)
 
         def refill(j, carry):
             slot = lax.rem(j, lay.stages)
-            plgpu.barrier_wait(consumed.at[slot])  # both compute warpgroups are done with unit j - stages
-            (issue_weights if s8 else issue)(j, slot)
+            with jax.named_scope("wait_free"):
+                plgpu.barrier_wait(consumed.at[slot])  # both compute warpgroups are done with unit j - stages
+            with jax.named_scope("issue"):
+                (issue_weights if s8 else issue)(j, slot)
+                prefetch(j + lay.l2_prefetch)
             return carry
 
         lax.fori_loop(lay.stages, nsteps, refill, None)
@@ -263,8 +308,10 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             drain = lambda j, carry: (plgpu.barrier_wait(consumed.at[lax.rem(j, lay.stages)]), carry)[1]  # noqa: E731
             lax.fori_loop(lax.max(nsteps - lay.stages, 0), nsteps, drain, None)
 
+    @jax.named_scope("round_x")
     def round_x():  # s8: `quantize_activations` of the CTA's x, 64 rows (group, m) per chunk and warpgroup
-        plgpu.barrier_wait(x_ready)
+        with jax.named_scope("wait_x"):
+            plgpu.barrier_wait(x_ready)
         for ch in range(lay.x_rows // 64):
 
             @pl.when(wg == ch % wgs)
@@ -291,9 +338,14 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
         plgpu.commit_smem()  # the rounded x and its constants, visible to wgmma (the async proxy)
         plgpu.barrier_arrive(xq_ready)
-        plgpu.barrier_wait(xq_ready)  # every compute warpgroup's chunks
+        with jax.named_scope("wait_xq"):
+            plgpu.barrier_wait(xq_ready)  # every compute warpgroup's chunks
 
     offsets = len(group_smems) > 1
+
+    @jax.named_scope("wait_stage")
+    def wait_produced(slot):  # the unit's copies have landed in `slot`
+        plgpu.barrier_wait(produced.at[slot])
 
     def x_operand(j, slot, g):  # xᵀ [gw, M8] of group g of the unit of local step j
         if s8:
@@ -332,7 +384,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)
-        plgpu.barrier_wait(produced.at[slot])
+        wait_produced(slot)
         for g, w, x_t in groups(j, slot, r0):
             w = w * lax.broadcast_in_dim(per_row(slot, r0, g, 0, cdt), w.shape, [0])
             if offsets:
@@ -344,7 +396,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     def unit_acc(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, scaled per group
         slot = lax.rem(j, lay.stages)
-        plgpu.barrier_wait(produced.at[slot])
+        wait_produced(slot)
         ones = plgpu.layout_cast(jnp.ones((rows, gw), cdt), plgpu.Layout.WGMMA) if sums else None
 
         def scope(*accs):  # one accumulator per group (and one per group's Σx)
@@ -370,7 +422,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     def unit_s8(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, int8 activations
         slot = lax.rem(j, lay.stages)
-        plgpu.barrier_wait(produced.at[slot])
+        wait_produced(slot)
         col_layout = plgpu.Layout.WGMMA.reduce(0)  # an [M8] vector along the accumulator's columns
 
         def scope(*accs):  # one int32 accumulator per group: (codes + 8)ᵀ · xqᵀ
@@ -408,25 +460,29 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             if lay.scale_in == "acc":
                 zeros = plgpu.layout_cast(jnp.zeros((rows, m8), jnp.float32), plgpu.Layout.WGMMA)
                 unit = unit_s8 if s8 else unit_acc
+                unit = jax.named_scope("unit")(unit)
                 part = lax.fori_loop(j_start, j_end, lambda j, total: unit(j, total, r0), zeros)  # [rows, M8]
             else:
 
                 def run(acc):
-                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit_w(j, acc, r0), carry)[1], None)
+                    unit = jax.named_scope("unit")(unit_w)
+                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit(j, acc, r0), carry)[1], None)
                     return acc[...]
 
                 part = pl.run_scoped(run, plgpu.ACC((rows, m8), jnp.float32))  # [rows, M8]
-            buf = lax.rem(g, 2)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
-            out_smem.at[wg, buf][...] = part
-            plgpu.commit_smem()
-            p = c - lax.div(t * ks, per_cta)  # this CTA's slot in tile t
-            plgpu.copy_smem_to_gmem(out_smem.at[wg, buf], o_gmem.at[p, pl.ds(t * tile_n + r0, rows)])
+            with jax.named_scope("flush"):
+                buf = lax.rem(g, 2)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
+                out_smem.at[wg, buf][...] = part
+                plgpu.commit_smem()
+                p = c - lax.div(t * ks, per_cta)  # this CTA's slot in tile t
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, buf], o_gmem.at[p, pl.ds(t * tile_n + r0, rows)])
             return j_end
 
         segments = lax.div(u1 - 1, ks) - t_first + 1
         lax.fori_loop(0, segments, segment, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("drain"):
+            plgpu.wait_smem_to_gmem(0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,6 +561,8 @@ def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[in
     stage_bytes = cfg.tile_k * cfg.tile_n * bits // 8
     stage_bytes += sum(group_rows * cfg.tile_n * a.dtype.itemsize for a in (scales0, offsets0) if a is not None)
     fixed = cfg.compute_wgs * 2 * (cfg.tile_n // cfg.compute_wgs) * m8 * 4  # the flush buffers
+    if cfg.trace_dir:  # the profiler's buffer: 4 words a region, per warpgroup
+        fixed += (cfg.compute_wgs + 1) * 4 * lay.trace_regions * 4
     if feed == "s8":
         fixed += lay.x_rows * (group * (x.dtype.itemsize + 1) + (2 + (offsets0 is not None)) * 4)
     else:
@@ -551,7 +609,9 @@ def quant_stream_partials(
     fit, lay = _plan(cfg, x, weights, group, ctas)
     if fit < 2:
         raise UntiledShape(f"two pipeline stages do not fit in smem_bytes={cfg.smem_bytes} at M={m}, K={k}")
-    lay = dataclasses.replace(lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret)
+    lay = dataclasses.replace(
+        lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret, l2_prefetch=cfg.l2_prefetch
+    )
     sched, feed, stages, rows = lay.sched, lay.feed, lay.stages, cfg.tile_n // cfg.compute_wgs
     s8 = feed == "s8"
     if permuted_codes and (feed == "int8" or group % 32):
@@ -597,6 +657,11 @@ def quant_stream_partials(
         num_threads=cfg.compute_wgs + 1,
         thread_name="wg",
         kernel_name="quant_gemm_stream",  # its own name in profiles (Mosaic GPU kernels are otherwise "anonymous")
+        compiler_params=(
+            plgpu.CompilerParams(profile_space=lay.trace_regions, profile_dir=cfg.trace_dir)
+            if cfg.trace_dir and not interpret
+            else None
+        ),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
