@@ -54,8 +54,6 @@ CASES = {  # name: (shape, code dtype, QuantStreamBlocks fields)
     "gate+up_int4": ("gate+up", jnp.int4, {}),
     "down_int4_relabel": ("down", jnp.int4, {"int4_feed": "relabel"}),
     "down_int8": ("down", jnp.int8, {}),
-    "down_int4_l2pf4": ("down", jnp.int4, {"l2_prefetch": 4}),
-    "o_int4_l2pf4": ("o", jnp.int4, {"l2_prefetch": 4}),
 }
 SWEEP_KS = (512, 2048, 8192, 16384)
 SWEEP_LAYERS = 8

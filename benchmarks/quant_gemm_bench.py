@@ -66,12 +66,9 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout
     "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),
     "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
-    # the weights of 2 or 4 units past the ring asked into L2 as each unit's copies are issued
-    "stream_l2pf2": qs.QuantStreamBlocks(l2_prefetch=2),
-    "stream_l2pf4": qs.QuantStreamBlocks(l2_prefetch=4),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
-INT8_VARIANTS = ("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "stream_l2pf2", "stream_l2pf4", "tile")
+INT8_VARIANTS = ("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "tile")
 RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,

@@ -98,10 +98,6 @@ class QuantStreamBlocks:
     ctas: int | None = None
     smem_bytes: int = 220 * 1024  # H200: 227 KiB per block
     pdl: bool = False  # programmatic dependent launch: as `flat_gemm_stream.StreamBlocks.pdl`
-    # units past the ring whose weights the memory warpgroup asks into L2 (TMA prefetch) as it issues a unit's
-    # copies: more bytes in flight than the stages hold, so HBM stays busy while landed stages await their
-    # compute (a launch's first stage lands only as the whole first burst does); 0: none
-    l2_prefetch: int = 0
     # a directory: Mosaic GPU's in-kernel profiler writes there a trace of the kernel's named regions (the
     # waits, units and flushes of every warpgroup of every CTA) at the call's first run; a diagnostic whose
     # buffer takes shared memory (`benchmarks/kernel_timeline.py` reads it)
@@ -156,7 +152,6 @@ class _Layout:
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     m8: int  # x's rows padded to 8
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
-    l2_prefetch: int = 0  # `QuantStreamBlocks.l2_prefetch`
 
     @property
     def trace_regions(self) -> int:  # regions a warpgroup enters in one call, at most: two per unit and a few
@@ -200,23 +195,6 @@ def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, sl
             plgpu.copy_gmem_to_smem(codes.at[layer, nsl, ksl], c_smem.at[slot], barrier.at[slot])
             for a, a_smem in zip(groupwise, group_smems):
                 plgpu.copy_gmem_to_smem(a.at[layer, gsl, nsl], a_smem.at[slot], barrier.at[slot])
-
-
-def prefetch_weight_unit(weights, tiles, t, kk, layer, tile):
-    """Ask the arrays of one unit (as `copy_weight_unit` names it) into L2, for a copy soon after."""
-    tile_n, tile_k, group = tile
-    group_rows = max(1, tile_k // group)
-    ksl = pl.ds(kk * tile_k, tile_k)
-    gsl = pl.ds(lax.div(kk * tile_k, group * group_rows) * group_rows, group_rows)
-    starts = np.cumsum((0,) + tuple(tiles))
-    for i, (codes, *groupwise) in enumerate(weights):
-
-        @pl.when((t >= starts[i]) & (t < starts[i + 1]))
-        def _():
-            nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
-            plgpu.async_prefetch(codes.at[layer, nsl, ksl])
-            for a in groupwise:
-                plgpu.async_prefetch(a.at[layer, gsl, nsl])
 
 
 def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
@@ -278,21 +256,10 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         issue_x(j, slot)
         issue_weights(j, slot)
 
-    def prefetch(j):  # unit j's weights into L2, if the CTA has a unit j
-        if lay.l2_prefetch and not interpret:  # a hint only: the interpreter has no L2
-
-            @pl.when(j < nsteps)
-            def _():
-                u = u0 + j
-                tile = (tile_n, tile_k, lay.group)
-                prefetch_weight_unit(weights, sched.tiles, lax.div(u, ks), lax.rem(u, ks), layer, tile)
-
     @pl.when(wg == wgs)
     def _memory():
         with jax.named_scope("issue_first"):
             flat_gemm_stream.pdl_prologue(lay.stages, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
-            for j in range(lay.l2_prefetch):
-                prefetch(lay.stages + j)
 
         def refill(j, carry):
             slot = lax.rem(j, lay.stages)
@@ -300,7 +267,6 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 plgpu.barrier_wait(consumed.at[slot])  # both compute warpgroups are done with unit j - stages
             with jax.named_scope("issue"):
                 (issue_weights if s8 else issue)(j, slot)
-                prefetch(j + lay.l2_prefetch)
             return carry
 
         lax.fori_loop(lay.stages, nsteps, refill, None)
@@ -609,9 +575,7 @@ def quant_stream_partials(
     fit, lay = _plan(cfg, x, weights, group, ctas)
     if fit < 2:
         raise UntiledShape(f"two pipeline stages do not fit in smem_bytes={cfg.smem_bytes} at M={m}, K={k}")
-    lay = dataclasses.replace(
-        lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret, l2_prefetch=cfg.l2_prefetch
-    )
+    lay = dataclasses.replace(lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret)
     sched, feed, stages, rows = lay.sched, lay.feed, lay.stages, cfg.tile_n // cfg.compute_wgs
     s8 = feed == "s8"
     if permuted_codes and (feed == "int8" or group % 32):
