@@ -134,17 +134,18 @@ INPLACE_ROWS = (
     GPURow("ours, Qwen2.5-7B b1 ctx 1k", 4.556, "looped_inplace", 1, "test", SIQ, context=1152, model="qwen2.5-7b"),
 )
 Q8 = (
-    "benchmarks/results/2026-12-03/ab_quant_fixed_8b_h200.jsonl (benchmarks/ab.py --check, one H200, 64 steps after a "
-    "1024-token context and a 16-token prompt: cache 1152; median of 3; read ceiling 4498 GB/s)"
+    "benchmarks/results/2026-12-04/ab_int8_s8_8b_h200.jsonl (benchmarks/ab.py --check, one H200, int8 activations "
+    "where they fit (int8_feed='auto'), 64 steps after a 1024-token context and a 16-token prompt: cache 1152; "
+    "median of 3; read ceiling 4440 GB/s)"
 )
 Q4 = (
-    "benchmarks/results/2026-12-03/ab_int4_kernel_order_pdl_8b_h200.jsonl (benchmarks/ab.py --check, one H200, "
-    "int4 codes stored in the kernel's K order, 64 steps after a 1024-token context and a 16-token prompt: cache "
-    "1152; median of 5; read ceiling 4381 GB/s)"
+    "benchmarks/results/2026-12-04/ab_int4_auto_8b_h200.jsonl (benchmarks/ab.py --check, one H200, int4 codes "
+    "stored in the kernel's K order, int8 activations where they fit (int4_feed='auto'), 64 steps after a "
+    "1024-token context and a 16-token prompt: cache 1152; median of 3; read ceiling 4350 GB/s)"
 )
 Q70 = (
-    "benchmarks/results/2026-12-03/ab_int4_kernel_order_70b_h200.jsonl (int4, same harness and kernels as Q4; "
-    "read ceiling 4422 GB/s)"
+    "benchmarks/results/2026-12-03/ab_int4_kernel_order_70b_h200.jsonl (int4 relabelled, 16-bit activations: the "
+    "kernels before int8 activations, not rerun since; read ceiling 4422 GB/s)"
 )
 # Our engine with quantized weights (GPU mode "looped_inplace", rdu.quantized's kernels: the Stream-K
 # quantized GEMM, q·k·v and gate + up fused into one launch each). One row fits the one quantized constant
@@ -160,11 +161,11 @@ PREVIOUS_KERNEL_FILES = (
 )
 QUANT_ROWS = (
     GPURow(
-        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.4695, "looped_inplace", 1, "train", Q4, context=1152, quantize="int4"
+        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.3637, "looped_inplace", 1, "train", Q4, context=1152, quantize="int4"
     ),
-    GPURow("ours int8, Llama-3.1-8B b1 ctx 1k", 3.1848, "looped_inplace", 1, "test", Q8, context=1152, quantize="int8"),
-    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 2.8925, "looped_inplace", 8, "test", Q4, context=1152, quantize="int4"),
-    GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 3.6013, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
+    GPURow("ours int8, Llama-3.1-8B b1 ctx 1k", 3.091, "looped_inplace", 1, "test", Q8, context=1152, quantize="int8"),
+    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 2.7842, "looped_inplace", 8, "test", Q4, context=1152, quantize="int4"),
+    GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 3.5104, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
     GPURow(
         "ours int4, Llama-3.1-70B b1 ctx 1k",
         13.9329,
@@ -176,8 +177,8 @@ QUANT_ROWS = (
         model="llama-3.1-70b",
         quantize="int4",
     ),
-    GPURow("ours bf16 (same run), Llama-3.1-8B b1 ctx 1k", 4.4515, "looped_inplace", 1, "test", Q8, context=1152),
-    GPURow("ours bf16 (same run), Llama-3.1-8B b8 ctx 1k", 4.8573, "looped_inplace", 8, "test", Q8, context=1152),
+    GPURow("ours bf16 (same run), Llama-3.1-8B b1 ctx 1k", 4.5516, "looped_inplace", 1, "test", Q4, context=1152),
+    GPURow("ours bf16 (same run), Llama-3.1-8B b8 ctx 1k", 4.9832, "looped_inplace", 8, "test", Q4, context=1152),
 )
 # The same engine under tensor parallelism (shard_map, 2 psums per layer), cache 1088 (1024 + 16 + 32
 # rounded up to 64), 32 steps: reported with the fitted constants, never fitted.

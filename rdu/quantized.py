@@ -40,17 +40,19 @@ import numpy as np
 
 QUANT_FORMATS = ("int4", "int8")
 # kernels/quant_gemm_stream alone, per launch shape
-BENCH_FILE = "benchmarks/results/2026-12-03/quant_gemm_stream_fixed_h200.json"
+BENCH_FILE = "benchmarks/results/2026-12-04/quant_gemm_stream_s8_default_h200.json"
 # the whole quantized decode step, with its profile
 STEP_FILE = "benchmarks/results/2026-12-02/ab_quant_stream_8b_h200.jsonl"
-# The engine's kernel configuration (`QuantStreamBlocks()`) in BENCH_FILE is "stream" for both formats: int4
-# with offsets (--quantize int4) resolves to scales in the weights, 256-wide tiles, 4 compute warpgroups, codes
-# relabelled; int8 (no offsets) to scales on the accumulator, 128-wide, 2. Each register-operand wgmma completes
-# before the next conversion (docs/kernels.md).
+# The engine's kernel configuration (`QuantStreamBlocks()`) in BENCH_FILE is "stream" for both formats, resolved per
+# launch: int8 activations (the "s8" feeds: x rounded in the kernel, int32 accumulators scaled per unit, 256-wide
+# tiles for int4, 128 for int8) where G, M and the held x allow (o, q·k·v, down at M <= 8), else 16-bit x (int4
+# with offsets: scales in the weights, 256-wide, 4 compute warpgroups, codes relabelled; int8: scales on the
+# accumulator, 128-wide, 2): gate + up, and int8's down. Each register-operand wgmma completes before the next
+# conversion (docs/kernels.md).
 ENGINE_VARIANT = {"int4": "stream", "int8": "stream"}
 # One layer's GEMM launches as the benchmark names them: q·k·v fused, o (the q/o shape), gate + up fused, down.
 ENGINE_LAUNCHES = ("qkv", "q_o", "gate+up", "down")
-FIT_LAUNCHES = ("q_o", "down")  # those of ENGINE_LAUNCHES that BENCH_FILE measured
+FIT_LAUNCHES = ENGINE_LAUNCHES  # BENCH_FILE measured all four
 # Earlier runs of the four launches (file, engine variant per format): the check that FIT_LAUNCHES' line
 # stands for all four.
 FULL_BENCH_FILES = (
@@ -83,16 +85,16 @@ class QuantKernels:
 _SOURCE = (
     f"{BENCH_FILE} (kernels/quant_gemm_stream, the engine's variant per format {ENGINE_VARIANT}: main-kernel "
     f"GPU time per call from the profiler, one H200, least squares over the engine's launches "
-    f"{', '.join(FIT_LAUNCHES)} at M = 1 and 8 (the fused q·k·v and gate + up timed in part in that run), "
-    f"efficiency of that run's read ceiling) and {STEP_FILE} (kernels a layer: batch 8 from the profile's "
+    f"{', '.join(FIT_LAUNCHES)} at M = 1 and 8, efficiency of that run's read ceiling) and {STEP_FILE} (kernels "
+    f"a layer: batch 8 from the profile's "
     f"per-step window; batch 1 from the trace's total kernel count over the bf16 row's traced steps, the "
     f"batch-1 window being misdetected)"
 )
 
 # Values as `measured_kernels()` derives them from the files above (tests check they agree).
 QUANT_KERNELS = {
-    "int4": QuantKernels("int4", 4.058e-06, 0.7581, 4, 13, 15, _SOURCE),
-    "int8": QuantKernels("int8", 4.371e-06, 0.9338, 4, 13, 15, _SOURCE),
+    "int4": QuantKernels("int4", 2.775e-06, 0.7506, 4, 13, 15, _SOURCE),
+    "int8": QuantKernels("int8", 2.716e-06, 0.8858, 4, 13, 15, _SOURCE),
 }
 
 
