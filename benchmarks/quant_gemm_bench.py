@@ -66,9 +66,15 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream_shuffle": qs.QuantStreamBlocks(int4_feed="shuffle"),  # Mosaic GPU's conversion and relayout
     "stream_w_2wg": qs.QuantStreamBlocks(tile_n=128, scale_in="w"),
     "stream_acc_4wg": qs.QuantStreamBlocks(tile_n=256, scale_in="acc"),
+    # four compute warpgroups on units half as deep: a unit's compute per warpgroup halves (int8 with 16-bit x and
+    # int4 relabelled are compute-bound at 256 deep), with the stages the engine asks (4) or 8 (int4's units are 18 KB)
+    "stream_tk128": qs.QuantStreamBlocks(tile_n=256, tile_k=128),
+    "stream_tk128_st8": qs.QuantStreamBlocks(tile_n=256, tile_k=128, stages=8),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
-INT8_VARIANTS = ("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "tile")
+INT8_VARIANTS = (
+    *("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "stream_tk128", "stream_tk128_st8", "tile"),
+)
 RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,
