@@ -73,7 +73,13 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
 INT8_VARIANTS = (
-    *("stream", "stream_relabel", "stream_w_2wg", "stream_acc_4wg", "stream_tk128", "stream_tk128_st8", "tile"),
+    "stream",
+    "stream_relabel",
+    "stream_w_2wg",
+    "stream_acc_4wg",
+    "stream_tk128",
+    "stream_tk128_st8",
+    "tile",
 )
 RUN = dict(
     layers=LAYERS,
