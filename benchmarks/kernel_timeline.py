@@ -78,12 +78,14 @@ def sm_clock_ghz() -> float:
         return float("nan")
 
 
-def launch_kernels(run) -> list[float]:
-    """GPU µs of each `quant_gemm_stream` / flat GEMM launch of one run(), in order, from a profiler trace."""
+def launch_kernels(run, name: str | None = None) -> list[float]:
+    """GPU µs of each GEMM launch of one run(), in order, from a profiler trace: the kernels whose name holds
+    `name`, or (None) those of the most time-consuming kernel name."""
     events = gpu_trace.traced_events(run, tempfile.mkdtemp())
     kernels = gpu_trace.kernel_events(events, gpu_trace.gpu_pids(gpu_trace.track_names(events)))
     top = gpu_trace.top_by_name(kernels, 1)[0][0]
-    return [e["dur"] for e in sorted(kernels, key=lambda e: e["ts"]) if e["name"][:60] == top]
+    pick = (lambda n: name in n) if name else (lambda n: n[:60] == top)  # noqa: E731
+    return [e["dur"] for e in sorted(kernels, key=lambda e: e["ts"]) if pick(e["name"])]
 
 
 def weights_for(shape: str, cdt, layers: int = LAYERS):
@@ -193,7 +195,7 @@ def timeline(name: str, ghz: float, root: str) -> dict:
     log(f"  {name}: the timed run")
     for f in glob.glob(os.path.join(trace_dir, "*.json")):
         os.remove(f)
-    durations = launch_kernels(lambda: jax.block_until_ready(run(x, weights, index)))
+    durations = launch_kernels(lambda: jax.block_until_ready(run(x, weights, index)), "quant_gemm_stream")
     files = glob.glob(os.path.join(trace_dir, "*.json"))
     if not files:
         raise RuntimeError(f"no in-kernel trace written under {trace_dir}")
@@ -296,9 +298,9 @@ def main(argv=None) -> dict:
         med, mx = r["median"], r["max"]
         us = lambda v: f"{v / 1e3:.2f}"  # noqa: E731
         log(
-            f"  {name:18s} {r['feed']:8s} launch {r['untraced_us']:.2f} µs (traced {r['traced_us']:.2f}); starts "
-            f"spread "
-            f"{us(mx['start'])}; CTA span {us(med['span'])} (max {us(mx['span'])}); last end {us(r['last_end'])}; "
+            f"  {name:18s} {r['feed']:8s} launch {r['untraced_us']:.2f} µs (traced {r['traced_us']:.2f}); "
+            f"starts spread {us(mx['start'])}; CTA span {us(med['span'])} (max {us(mx['span'])}); "
+            f"last end {us(r['last_end'])}; "
             f"first stage {us(med['first_stage'])} (max {us(mx['first_stage'])}); {med['units']:.0f} units: compute "
             f"{us(med['unit'])}, stage waits {us(med['wait_stage'])}; round_x {us(med['round_x'])} (wait_x "
             f"{us(med['wait_x'])}); flush {us(med['flush'])}, drain {us(med['drain'])}; memory warpgroup: issue_first "
