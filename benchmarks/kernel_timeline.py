@@ -1,5 +1,6 @@
-"""Where a quantized GEMM launch spends the time its bytes do not: the timeline inside the launch, from
-Mosaic GPU's in-kernel profiler, and the fixed cost per launch against bf16's.
+"""Inside a quantized GEMM launch: where the time its bytes do not take goes, and the fixed cost per launch.
+
+The timeline inside a launch comes from Mosaic GPU's in-kernel profiler; the fixed cost is set against bf16's.
 
   JAX_PLATFORMS=cuda python benchmarks/kernel_timeline.py --out $OUT/kernel_timeline.json
   python benchmarks/kernel_timeline.py --cases o_int4,down_int4 --no-sweep
