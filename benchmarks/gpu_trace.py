@@ -93,6 +93,13 @@ def kernel_events(events, pids) -> list[dict]:
     ]
 
 
+def run_kernels(run) -> list[dict]:
+    """The GPU kernels of one `run()` under the profiler, in time order."""
+    events = traced_events(run, tempfile.mkdtemp())
+    kernels = kernel_events(events, gpu_pids(track_names(events)))
+    return sorted(kernels, key=lambda e: e["ts"])
+
+
 def top_by_name(kernels: list, n: int = 16) -> list:
     """[name, kernels, total µs] of kernels grouped by name, the n longest in total."""
     totals = defaultdict(lambda: [0, 0.0])

@@ -82,21 +82,18 @@ def sm_clock_ghz() -> float:
 def launch_kernels(run, name: str | None = None) -> list[float]:
     """GPU µs of each GEMM launch of one run(), in order, from a profiler trace: the kernels whose name holds
     `name`, or (None) those of the most time-consuming kernel name."""
-    events = gpu_trace.traced_events(run, tempfile.mkdtemp())
-    kernels = gpu_trace.kernel_events(events, gpu_trace.gpu_pids(gpu_trace.track_names(events)))
+    kernels = gpu_trace.run_kernels(run)
     top = gpu_trace.top_by_name(kernels, 1)[0][0]
     pick = (lambda n: name in n) if name else (lambda n: n[:60] == top)  # noqa: E731
-    return [e["dur"] for e in sorted(kernels, key=lambda e: e["ts"]) if pick(e["name"])]
+    return [e["dur"] for e in kernels if pick(e["name"])]
 
 
 def weights_for(shape: str, cdt, layers: int = LAYERS):
     ns, k = WIDTHS[shape]
-    offsets = cdt == jnp.int4
-    out = []
-    for i, n in enumerate(ns):
-        c, s, o = quant_inputs(jax.random.key(i), layers, n, k, cdt, GROUP, jnp.float32, offsets)
-        out.append((c, s, o))
-    return tuple(out), k
+    offsets = cdt == jnp.int4  # --quantize int4 is asymmetric
+    return tuple(
+        quant_inputs(jax.random.key(i), layers, n, k, cdt, GROUP, jnp.float32, offsets) for i, n in enumerate(ns)
+    ), k
 
 
 # ---------------------------------------------------------------------------------------------

@@ -296,13 +296,10 @@ def profiled(run) -> tuple[float, float]:
     profiler trace (benchmarks/gpu_trace.py); NaNs where no trace is written (the CPU)."""
     if RUN["dry"]:
         return float("nan"), float("nan")
-    import tempfile
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_trace
 
-    events = gpu_trace.traced_events(run, tempfile.mkdtemp())
-    kernels = gpu_trace.kernel_events(events, gpu_trace.gpu_pids(gpu_trace.track_names(events)))
+    kernels = gpu_trace.run_kernels(run)
     top = gpu_trace.top_by_name(kernels, 1)[0][0]
     main = [e["dur"] for e in kernels if e["name"][:60] == top]
     return sum(e["dur"] for e in kernels), statistics.median(main)

@@ -348,6 +348,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         else:
             mma_from_registers(acc, w, x_t, interpret, w_stage.at[wg] if interpret else None)
 
+    @jax.named_scope("unit")
     def unit_w(j, acc, r0):  # acc [rows, M8] += this warpgroup's rows of unit j, weights scaled in registers
         slot = lax.rem(j, lay.stages)
         wait_produced(slot)
@@ -360,6 +361,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     sums = offsets or lay.bias != 0  # a group's Σx is needed: for its offsets, or to take the bias off
 
+    @jax.named_scope("unit")
     def unit_acc(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, scaled per group
         slot = lax.rem(j, lay.stages)
         wait_produced(slot)
@@ -386,6 +388,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 total = total + xsum * lax.broadcast_in_dim(o, part.shape, [0])
         return total
 
+    @jax.named_scope("unit")
     def unit_s8(j, total, r0):  # total [rows, M8] f32 + this warpgroup's rows of unit j, int8 activations
         slot = lax.rem(j, lay.stages)
         wait_produced(slot)
@@ -426,13 +429,11 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             if lay.scale_in == "acc":
                 zeros = plgpu.layout_cast(jnp.zeros((rows, m8), jnp.float32), plgpu.Layout.WGMMA)
                 unit = unit_s8 if s8 else unit_acc
-                unit = jax.named_scope("unit")(unit)
                 part = lax.fori_loop(j_start, j_end, lambda j, total: unit(j, total, r0), zeros)  # [rows, M8]
             else:
 
                 def run(acc):
-                    unit = jax.named_scope("unit")(unit_w)
-                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit(j, acc, r0), carry)[1], None)
+                    lax.fori_loop(j_start, j_end, lambda j, carry: (unit_w(j, acc, r0), carry)[1], None)
                     return acc[...]
 
                 part = pl.run_scoped(run, plgpu.ACC((rows, m8), jnp.float32))  # [rows, M8]

@@ -86,9 +86,8 @@ _SOURCE = (
     f"{BENCH_FILE} (kernels/quant_gemm_stream, the engine's variant per format {ENGINE_VARIANT}: main-kernel "
     f"GPU time per call from the profiler, one H200, least squares over the engine's launches "
     f"{', '.join(FIT_LAUNCHES)} at M = 1 and 8, efficiency of that run's read ceiling) and {STEP_FILE} (kernels "
-    f"a layer: batch 8 from the profile's "
-    f"per-step window; batch 1 from the trace's total kernel count over the bf16 row's traced steps, the "
-    f"batch-1 window being misdetected)"
+    f"a layer: batch 8 from the profile's per-step window; batch 1 from the trace's total kernel count over the "
+    f"bf16 row's traced steps, the batch-1 window being misdetected)"
 )
 
 # Values as `measured_kernels()` derives them from the files above (tests check they agree).
