@@ -70,6 +70,12 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     # int4 relabelled are compute-bound at 256 deep), with the stages the engine asks (4) or 8 (int4's units are 18 KB)
     "stream_tk128": qs.QuantStreamBlocks(tile_n=256, tile_k=128),
     "stream_tk128_st8": qs.QuantStreamBlocks(tile_n=256, tile_k=128, stages=8),
+    # units twice as deep: each weight row's part of a unit is 256 bytes of int4 codes (128 at tile_k=256), against
+    # 16-bit x with 8 stages at 256 deep (as many code bytes in flight): does the row segment's length bound the read?
+    "stream_tk512": qs.QuantStreamBlocks(tile_k=512),
+    "stream_tk512_n128": qs.QuantStreamBlocks(tile_n=128, tile_k=512),
+    "stream_relabel_tk512": qs.QuantStreamBlocks(int4_feed="relabel", tile_k=512),
+    "stream_relabel_st8": qs.QuantStreamBlocks(int4_feed="relabel", stages=8),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
 INT8_VARIANTS = (

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream, quant_gemm
+from kernels.grid_sync import fence_global
 from kernels.quant_feeds import relabel_as_wgmma
 from kernels.quant_gemm import UntiledShape, code_bits, load_width, mma_from_registers, permute_k, smem_transforms
 from kernels.quant_gemm_stream import copy_weight_unit
@@ -92,22 +93,6 @@ def fixup_count(c, blocks: int, ctas: int):
     The select matters: lax.div truncates toward zero, so (blocks - 1 - c) // C + 1 alone gives a CTA past
     the last block one block, whose semaphores do not exist (this hung every grid wider than the blocks)."""
     return lax.select(c < blocks, lax.div(blocks - 1 - c, ctas) + 1, 0)
-
-
-def _fence_proxy_async_global():
-    """Order this thread's TMA copies (the async proxy) with its generic accesses of global memory, and
-    those before what follows (`pl.semaphore_signal` signals relaxed, then fences: the fence must come
-    first for the data to be visible before the signal)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu()
-    def fence(_):
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global; fence.acq_rel.gpu;", "", has_side_effects=True
-        )
-
-    fence()
 
 
 def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout):
@@ -189,7 +174,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
                 plgpu.barrier_wait(fixed.at[0])  # the one CTA's fixups are all done
         else:
             pl.semaphore_wait(ready.at[kk], WGS)  # one x copy per down unit
-            _fence_proxy_async_global()
+            fence_global()
         src = h_gmem.at[:, pl.ds(kk * TILE, TILE)]
         plgpu.copy_gmem_to_smem(src, x_smem.at[lax.rem(s, stages)], produced.at[lax.rem(s, stages)])
 
@@ -314,7 +299,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
         if not lay.interpret:
             pl.semaphore_wait(counters.at[j * WGS + wg], covering(a, j))
             pl.semaphore_wait(counters.at[(tiles_g + j) * WGS + wg], covering(a, tiles_g + j))
-            _fence_proxy_async_global()
+            fence_global()
         for k, t in enumerate((j, tiles_g + j)):
             plgpu.copy_gmem_to_smem(gu_acc.at[pl.ds(t * TILE + r0, rows)], out_smem.at[wg, k], loaded.at[wg])
         plgpu.barrier_wait(loaded.at[wg])
@@ -326,7 +311,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
         plgpu.copy_smem_to_gmem(h_smem.at[wg], h_gmem.at[:, pl.ds(j * TILE + r0, rows)])
         plgpu.wait_smem_to_gmem(0)
         if not lay.interpret:
-            _fence_proxy_async_global()
+            fence_global()
             pl.semaphore_signal(ready.at[j], b.tiles[0])  # one for each down unit of block j
 
     @pl.when(wg < WGS)
@@ -334,7 +319,7 @@ def _body(layer_gmem, x_gmem, *refs, lay: _Layout):
         seg_a = phase(a, lay.a.feed, a0, a1, na, 0, gu_acc)
         plgpu.wait_smem_to_gmem(0)  # the gate/up reduce-adds are complete (and out_smem is free)
         if not lay.interpret:
-            _fence_proxy_async_global()
+            fence_global()
             signal_tiles(a, a0, seg_a)
         blocks = fixup_count(c, tiles_g, lay.ctas)
         lax.fori_loop(0, blocks, lambda i, carry: (fixup(c + i * lay.ctas), carry)[1], None)

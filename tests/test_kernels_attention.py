@@ -304,6 +304,46 @@ class TestDecodeAttention:
         )
         _close(stacked, ref)
 
+    @pytest.mark.parametrize(
+        "shape, lengths",
+        [
+            (AttentionShape("g4", 2, 1, 32, 8, 128, 256), [3, 256]),  # sequence 0: three of four splits empty
+            (AttentionShape("g7", 3, 1, 28, 4, 64, 192), [192, 100, 65]),  # 3 splits; the combine's rows padded
+            (AttentionShape("g8_b8", 8, 1, 32, 4, 128, 512), None),  # the 8B group, splits of two blocks
+            (AttentionShape("llama3_8b_b1_s1024", 1, 1, 32, 8, 128, 1024), [1000]),  # compiled only: 16 splits
+            (AttentionShape("llama3_8b_b8_s1024", 8, 1, 32, 8, 128, 1024), None),
+            (AttentionShape("llama3_70b_b1_s8192", 1, 1, 64, 8, 128, 8192), [8191]),  # 32 splits
+        ],
+    )
+    def test_fused_combine_equals_the_combine_kernel(self, shape, lengths):
+        """combine="fused" (the attention kernel's last split of each kv head combines: one launch) against
+        combine="kernel" (the same partials, the combine its own kernel): the same arithmetic on the same
+        partials, so equal bit for bit; on a stacked cache at a traced layer, ragged lengths, poisoned
+        outputs, and against the reference."""
+        if not self.INTERPRET and not ON_HOPPER:
+            pytest.skip("the Mosaic GPU kernels need Hopper")
+        if self.INTERPRET and shape.cache_len > 512:
+            pytest.skip("model shapes are too large for the interpreter")
+        q, k, v, lens = _inputs(shape, seed=42, lengths=lengths)
+        rows = to_rows(q, shape.num_kv_heads)  # [B, K, R, H]
+        group = shape.num_heads // shape.num_kv_heads
+        k_stack, v_stack = jnp.stack([v, k]), jnp.stack([k, v])  # [2, B, S, K, H]: layer 1 holds (k, v)
+        kw = dict(group=group, layer=jnp.int32(1), length_offset=1, interpret=self.INTERPRET, poison=True)
+        outs = {
+            combine: da.decode_attention_sync_rows(
+                rows,
+                k_stack,
+                v_stack,
+                lens - 1,
+                block_sizes=da.BlockSizes(block_k=64, combine=combine),
+                backend="mosaic",
+                **kw,
+            )
+            for combine in ("fused", "kernel")
+        }
+        np.testing.assert_array_equal(np.asarray(outs["fused"], np.float32), np.asarray(outs["kernel"], np.float32))
+        _close(outs["fused"], da.decode_attention_reference(q, k, v, lens)[0])
+
     def test_combine_kernel_declines_what_it_does_not_tile(self):
         """T = 3 and a group of 3 are not the kernel's shapes: combine="kernel" then combines in jnp,
         with the same values as combine="xla"."""
@@ -378,6 +418,22 @@ def test_mosaic_lowers_for_hopper_on_any_host(name, rows):
     assert "decode_attention_sync_mosaic" in text and "combine_splits_mosaic" in text
 
 
+@pytest.mark.parametrize("name", ["llama3_8b_b1_s1024", "llama3_70b_b64_s8192", "smollm2_b4_s1024"])
+def test_fused_combine_lowers_for_hopper_on_any_host(name):
+    """combine="fused" lowers for CUDA (its global semaphore, fences and the combine's layouts) as one
+    kernel: no separate combine launch in the module."""
+    b, t, n, kh, h, s = LOWERED[name]
+    cache = jax.ShapeDtypeStruct((4, b, s, kh, h), jnp.bfloat16)  # [L, B, S, K, H]
+    q = jax.ShapeDtypeStruct((b, kh, da.query_rows(t, n // kh), h), jnp.bfloat16)  # [B, K, R, H]
+    blocks = da.BlockSizes(combine="fused")
+    op = lambda q, k, v, lengths, i: da.decode_attention_sync_rows(  # noqa: E731
+        q, k, v, lengths, group=n // kh, layer=i, length_offset=1, block_sizes=blocks, backend="mosaic"
+    )
+    args = (cache, cache, jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    text = jax.jit(op).trace(q, *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "decode_attention_fused_mosaic" in text and "combine_splits_mosaic" not in text
+
+
 def test_mosaic_refuses_what_it_does_not_tile():
     q, k, v, lengths = _inputs(TEST_ATTENTION["tiny_gqa4_b2_s256"])
     with pytest.raises(ValueError, match="multiples of 64"):  # wgmma's M side
@@ -423,7 +479,7 @@ def test_splits_aim_at_576_programs_within_one_wave_and_32_splits():
 
 def test_block_sizes_names_a_bad_combine():
     with pytest.raises(ValueError, match="combine must be"):
-        da.BlockSizes(combine="fused")
+        da.BlockSizes(combine="fuse")
 
 
 def test_calibrate_phi_centers_the_window():

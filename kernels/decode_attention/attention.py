@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels.decode_attention import mosaic
-from kernels.decode_attention.combine import combine_partials, combine_rows
+from kernels.decode_attention.combine import combine_fits, combine_partials, combine_rows
 from kernels.decode_attention.layout import BlockSizes, check_backend, from_rows, pad_cache, split_layout, to_rows
 
 _NEG = -1e30  # finite "minus infinity" for the synchronized kernel's running max
@@ -476,6 +476,29 @@ def decode_attention_sync_rows(
         raise ValueError(f"group must be in 1..{rows} and lengths [B] = [{batch}]; got {group}, {list(lengths.shape)}")
     k, v = pad_cache(k, v, block_sizes, stacked=True)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    if (
+        block_sizes.combine == "fused"
+        and check_backend(backend) == "mosaic"
+        and combine_fits(1, group, head_dim, block_sizes, backend, rows=rows)
+    ):
+        splits, _ = split_layout(batch, kv_heads, k.shape[2], block_sizes)
+        o = mosaic.sync_combine_call(
+            layer,
+            lengths.astype(jnp.int32),
+            q_rows,
+            k,
+            v,
+            splits=splits,
+            block_k=block_sizes.block_k,
+            stages=block_sizes.num_stages,
+            sm_scale=sm_scale,
+            group=group,
+            out_dtype=q_rows.dtype,
+            length_offset=length_offset,
+            interpret=interpret,
+            poison=poison,
+        )  # [B, K, G, H]
+        return o.reshape(batch, 1, kv_heads * group, head_dim)  # [B, 1, N, H]: a free reshape
     acc, l, m = _sync_kernel(
         backend,
         q_rows,

@@ -132,9 +132,12 @@ def combine_rows(
     poison: bool = False,
     backend: str = "triton",
 ):
-    """Partials -> o [B, T, N, H] in out_dtype: by `combine_splits` on `backend` where cfg.combine ==
-    "kernel" and it fits, else in jnp (`combine_partials`, then `from_rows`)."""
-    if cfg.combine == "kernel" and combine_fits(tokens, group, acc.shape[-1], cfg, backend, rows=acc.shape[3]):
+    """Partials -> o [B, T, N, H] in out_dtype: by `combine_splits` on `backend` where cfg.combine is
+    "kernel" (or "fused", whose own form only `decode_attention_sync_rows` runs) and it fits, else in jnp
+    (`combine_partials`, then `from_rows`)."""
+    if cfg.combine in ("kernel", "fused") and combine_fits(
+        tokens, group, acc.shape[-1], cfg, backend, rows=acc.shape[3]
+    ):
         return combine_splits(
             acc, l, m, group=group, out_dtype=out_dtype, cfg=cfg, interpret=interpret, poison=poison, backend=backend
         )

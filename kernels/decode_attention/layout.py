@@ -30,13 +30,15 @@ class BlockSizes:
     # How the synchronized kernel's split partials are combined: "kernel" (`combine_splits`: one Pallas
     # kernel writing the final layout, where it fits) or "xla" (jnp: XLA's exp, reduce and slice fusions,
     # three kernels). The one kernel was faster on the H200 at batch 1, TP1 and TP2, and equal at batch 8
-    # (A/B runs; see docs/log/).
+    # (A/B runs; see docs/log/). "fused" (Mosaic GPU, one token: `decode_attention_sync_rows`): the
+    # attention kernel's last split of each kv head combines, after the other splits signal it; no launch
+    # of its own (elsewhere it means "kernel").
     combine: str = "kernel"
     combine_cols: int = 32  # head-dim columns per program of the combine kernel
 
     def __post_init__(self):
-        if self.combine not in ("xla", "kernel"):
-            raise ValueError(f"BlockSizes.combine must be 'xla' or 'kernel', got {self.combine!r}")
+        if self.combine not in ("xla", "kernel", "fused"):
+            raise ValueError(f"BlockSizes.combine must be 'xla', 'kernel' or 'fused', got {self.combine!r}")
 
 
 BACKENDS = ("triton", "mosaic")  # Pallas-Triton (pallas_call) or Mosaic GPU (plgpu.kernel, Hopper)

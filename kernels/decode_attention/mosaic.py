@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels.decode_attention.layout import BlockSizes
+from kernels.grid_sync import fence_global
 
 _NEG = -1e30  # finite "minus infinity" for the running max, as in the Triton kernel
 _LOG2E = math.log2(math.e)
@@ -311,6 +312,96 @@ def sync_call(
         **_params(interpret, "decode_attention_sync_mosaic"),
     )(jnp.asarray(layer, jnp.int32).reshape(1), lengths, q_rows, k, v, *refs)
     return tuple(jax.freeze(r) for r in refs) if poison else outs
+
+
+def sync_combine_call(
+    layer,
+    lengths,
+    q_rows,
+    k,
+    v,
+    *,
+    splits: int,
+    block_k: int,
+    stages: int,
+    sm_scale: float,
+    group: int,
+    out_dtype,
+    length_offset: int,
+    interpret: bool = False,
+    poison: bool = False,
+):
+    """o [B, K, G, H] in out_dtype: `sync_call` and `combine_call` for one token as one launch over the grid
+    (B, K, splits). Each program writes its split's partials as `sync_call` does; program splits - 1 of
+    (b, h) then waits on a global semaphore that every other split of (b, h) signals once its partials are
+    written, and combines them (`combine_body`, each 64-column block in turn). One launch fewer per layer:
+    the combine is a tail of the kernel, not a kernel of its own.
+
+    The waiting program cannot hold up a program it waits on: the grid's last axis (the split) is CUDA's
+    slowest block index, so the other splits of (b, h) come earlier in launch order, and `split_layout`
+    keeps the grid within one wave (`BlockSizes.max_programs`). Interpreted (Mosaic GPU's interpreter has no
+    GMEM semaphores) the programs run one after another in grid order, so split splits - 1 of (b, h) runs
+    after the others and combines without waiting: the same data flow and arithmetic."""
+    batch, kv_heads, rows, head_dim = q_rows.shape
+    rows_out = -(-group // 8) * 8
+    if head_dim % _COLS or rows_out > rows:
+        raise ValueError(
+            f"the fused combine takes H in multiples of {_COLS} and G <= R rounded up to 8; got H={head_dim}, "
+            f"G={group}, R={rows}"
+        )
+    cache_len = k.shape[2]
+    split_len = cache_len // splits
+    if cache_len % (splits * block_k):
+        raise ValueError(f"cache length {cache_len} is not a multiple of {splits} splits x block_k={block_k}")
+    stages = max(1, min(stages, split_len // block_k))
+    k, v = (x.reshape(-1, cache_len, kv_heads * head_dim) for x in (k, v))  # [L·B, S, K·H]: a free reshape
+    scratch = sync_scratch(rows, head_dim, block_k, stages, k.dtype)
+    body = functools.partial(sync_body, block_k=block_k, split_len=split_len, sm_scale=sm_scale, group=group, tokens=1)
+
+    def kernel(layer_gmem, len_gmem, q_gmem, k_gmem, v_gmem, o_gmem, acc_gmem, l_gmem, m_gmem):
+        b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+        scalars = (b, h, s, layer_gmem[0], len_gmem[b] + length_offset)
+        partials = (acc_gmem, l_gmem, m_gmem)
+        pl.run_scoped(lambda *refs: body(*scalars, q_gmem, k_gmem, v_gmem, *partials, refs), *scratch)
+        last = s == splits - 1
+        if not interpret and splits > 1:
+            written = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * kv_heads,)))  # per (b, h)
+            fence_global()  # this program's partials, stored by every thread, before the signal
+
+            @pl.when(~last)
+            def _():
+                pl.semaphore_signal(written.at[b * kv_heads + h], 1)
+
+            @pl.when(last)
+            def _():
+                pl.semaphore_wait(written.at[b * kv_heads + h], splits - 1)  # back to zero for the next call
+                fence_global()
+
+        @pl.when(last)
+        def _():
+            if not interpret:  # the o GEMM after it may start now (if it waits: `StreamBlocks.pdl`)
+                plgpu.griddepcontrol_launch_dependents()
+            for col in range(head_dim // _COLS):
+                pl.run_scoped(
+                    lambda *refs, col=col: combine_body(b, h, col, *partials, o_gmem, refs),
+                    *combine_scratch(rows_out, out_dtype),
+                )
+
+    shapes = (
+        jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), out_dtype),
+        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
+    )
+    out_type, refs = _outputs(shapes, poison)
+    outs = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=(batch, kv_heads, splits),
+        grid_names=("b", "h", "s"),
+        **_params(interpret, "decode_attention_fused_mosaic"),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), lengths, q_rows, k, v, *refs)
+    return jax.freeze(refs[0]) if poison else outs[0]
 
 
 def combine_call(acc, l, m, *, group: int, out_dtype, interpret: bool = False, poison: bool = False):
