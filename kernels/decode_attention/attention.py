@@ -465,7 +465,8 @@ def decode_attention_sync_rows(
     q_rows [B, K, R, H] (row g < group is query head h·group + g of kv head h; rows past `group` are
     zero), as `kernels.qkv_rope.qkv_rope_write` writes them, and the stacked cache [L, B, S, K, H] read
     at `layer` in place. Returns o [B, 1, K·group, H] in q_rows' dtype. backend as in
-    `decode_attention_sync` (the mosaic kernel takes R in multiples of 8)."""
+    `decode_attention_sync` (the mosaic kernel takes R in multiples of 8). With block_sizes.combine "fused" and
+    the mosaic backend, the combine runs inside the attention launch (`mosaic.sync_combine_call`)."""
     batch, kv_heads, rows, head_dim = q_rows.shape
     if k.ndim != 5 or k.shape != v.shape or k.shape[1] != batch or k.shape[3:] != (kv_heads, head_dim):
         raise ValueError(

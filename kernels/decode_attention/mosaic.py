@@ -35,7 +35,9 @@ order, and writes the G rows through SMEM by TMA.
 
 Both kernels lower with Lane semantics (the layouts above are set explicitly) and run on the CPU
 under Mosaic GPU's interpreter. Bodies are functions of refs (`sync_body`, `combine_body`) apart from their
-`plgpu.kernel` wrappers (`sync_call`, `combine_call`), so a persistent kernel can run them as phases.
+`plgpu.kernel` wrappers (`sync_call`, `combine_call`), so a persistent kernel can run them as phases:
+`sync_combine_call` runs both in one launch, the last split of each kv head combining once the others signal it
+(opt-in, `BlockSizes(combine="fused")`: slower than two launches, docs/kernels.md).
 """
 
 from __future__ import annotations
