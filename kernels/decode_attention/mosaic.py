@@ -255,6 +255,35 @@ def _outputs(shapes, poison: bool):
     return (), tuple(jax.new_ref(jnp.full(s.shape, jnp.nan, s.dtype)) for s in shapes)
 
 
+def _sync_setup(q_rows, k, v, splits: int, block_k: int, stages: int, sm_scale: float, group: int, tokens: int):
+    """What `sync_call` and `sync_combine_call` share: the checks, the stacks as [L·B, S, K·H] views, the
+    program's SMEM, its body and the partials' shapes (acc [B, K, splits, R, H], l, m [B, K, splits, R])."""
+    batch, kv_heads, rows, head_dim = q_rows.shape
+    cache_len = k.shape[2]
+    split_len = cache_len // splits
+    if cache_len % (splits * block_k):
+        raise ValueError(f"cache length {cache_len} is not a multiple of {splits} splits x block_k={block_k}")
+    if block_k % 64 or head_dim % 64 or rows % 8 or not 8 <= rows <= 256:
+        raise ValueError(
+            f"the mosaic attention takes block_k and H in multiples of 64 (wgmma's M side) and R rows in "
+            f"multiples of 8 up to 256 (its N side); got block_k={block_k}, H={head_dim}, R={rows}"
+        )
+    if not q_rows.dtype == k.dtype == v.dtype or jnp.dtype(k.dtype) not in map(jnp.dtype, (jnp.bfloat16, jnp.float16)):
+        raise ValueError(f"the mosaic attention takes bf16 or f16 q and cache alike; got {q_rows.dtype}, {k.dtype}")
+    stages = max(1, min(stages, split_len // block_k))
+    k, v = (x.reshape(-1, cache_len, kv_heads * head_dim) for x in (k, v))  # [L·B, S, K·H]: a free reshape
+    scratch = sync_scratch(rows, head_dim, block_k, stages, k.dtype)
+    body = functools.partial(
+        sync_body, block_k=block_k, split_len=split_len, sm_scale=sm_scale, group=group, tokens=tokens
+    )
+    shapes = (
+        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
+    )
+    return k, v, scratch, body, shapes
+
+
 def sync_call(
     layer,
     lengths,
@@ -276,35 +305,14 @@ def sync_call(
     over the grid (B, K, splits). layer [] int32; lengths [B] int32 (`length_offset` added in the
     kernel); q_rows [B, K, R, H]; k, v [L, B, S, K, H] read at `layer` in place, S a multiple of
     splits·block_k. poison=True starts the outputs NaN-filled."""
-    batch, kv_heads, rows, head_dim = q_rows.shape
-    cache_len = k.shape[2]
-    split_len = cache_len // splits
-    if cache_len % (splits * block_k):
-        raise ValueError(f"cache length {cache_len} is not a multiple of {splits} splits x block_k={block_k}")
-    if block_k % 64 or head_dim % 64 or rows % 8 or not 8 <= rows <= 256:
-        raise ValueError(
-            f"the mosaic attention takes block_k and H in multiples of 64 (wgmma's M side) and R rows in "
-            f"multiples of 8 up to 256 (its N side); got block_k={block_k}, H={head_dim}, R={rows}"
-        )
-    if not q_rows.dtype == k.dtype == v.dtype or jnp.dtype(k.dtype) not in map(jnp.dtype, (jnp.bfloat16, jnp.float16)):
-        raise ValueError(f"the mosaic attention takes bf16 or f16 q and cache alike; got {q_rows.dtype}, {k.dtype}")
-    stages = max(1, min(stages, split_len // block_k))
-    k, v = (x.reshape(-1, cache_len, kv_heads * head_dim) for x in (k, v))  # [L·B, S, K·H]: a free reshape
-    scratch = sync_scratch(rows, head_dim, block_k, stages, k.dtype)
-    body = functools.partial(
-        sync_body, block_k=block_k, split_len=split_len, sm_scale=sm_scale, group=group, tokens=tokens
-    )
+    batch, kv_heads = q_rows.shape[:2]
+    k, v, scratch, body, shapes = _sync_setup(q_rows, k, v, splits, block_k, stages, sm_scale, group, tokens)
 
     def kernel(layer_gmem, len_gmem, *gmem):  # gmem: q, k, v, acc, l, m
         b = lax.axis_index("b")
         scalars = (b, lax.axis_index("h"), lax.axis_index("s"), layer_gmem[0], len_gmem[b] + length_offset)
         pl.run_scoped(lambda *refs: body(*scalars, *gmem, refs), *scratch)
 
-    shapes = (
-        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
-        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
-    )
     out_type, refs = _outputs(shapes, poison)
     outs = plgpu.kernel(
         kernel,
@@ -351,14 +359,7 @@ def sync_combine_call(
             f"the fused combine takes H in multiples of {_COLS} and G <= R rounded up to 8; got H={head_dim}, "
             f"G={group}, R={rows}"
         )
-    cache_len = k.shape[2]
-    split_len = cache_len // splits
-    if cache_len % (splits * block_k):
-        raise ValueError(f"cache length {cache_len} is not a multiple of {splits} splits x block_k={block_k}")
-    stages = max(1, min(stages, split_len // block_k))
-    k, v = (x.reshape(-1, cache_len, kv_heads * head_dim) for x in (k, v))  # [L·B, S, K·H]: a free reshape
-    scratch = sync_scratch(rows, head_dim, block_k, stages, k.dtype)
-    body = functools.partial(sync_body, block_k=block_k, split_len=split_len, sm_scale=sm_scale, group=group, tokens=1)
+    k, v, scratch, body, partial_shapes = _sync_setup(q_rows, k, v, splits, block_k, stages, sm_scale, group, 1)
 
     def kernel(layer_gmem, len_gmem, q_gmem, k_gmem, v_gmem, o_gmem, acc_gmem, l_gmem, m_gmem):
         b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
@@ -389,12 +390,7 @@ def sync_combine_call(
                     *combine_scratch(rows_out, out_dtype),
                 )
 
-    shapes = (
-        jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), out_dtype),
-        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
-        jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
-    )
+    shapes = (jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), out_dtype), *partial_shapes)
     out_type, refs = _outputs(shapes, poison)
     outs = plgpu.kernel(
         kernel,
