@@ -144,8 +144,9 @@ Q4 = (
     "1024-token context and a 16-token prompt: cache 1152; median of 3; read ceiling 4350 GB/s)"
 )
 Q70 = (
-    "benchmarks/results/2026-12-03/ab_int4_kernel_order_70b_h200.jsonl (int4 relabelled, 16-bit activations: the "
-    "kernels before int8 activations, not rerun since; read ceiling 4422 GB/s)"
+    "benchmarks/results/2026-12-04/ab_int4_s8_70b_h200.jsonl (benchmarks/ab.py --model llama-3.1-70b --quantize int4 "
+    "--batches 1 --profile, one H200, int8 activations where they fit, 64 steps after a 1024-token context and a "
+    "16-token prompt: cache 1152; median of 3; read ceiling 4495 GB/s)"
 )
 # Our engine with quantized weights (GPU mode "looped_inplace", rdu.quantized's kernels: the Stream-K
 # quantized GEMM, q·k·v and gate + up fused into one launch each). One row fits the one quantized constant
@@ -168,7 +169,7 @@ QUANT_ROWS = (
     GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 3.5104, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
     GPURow(
         "ours int4, Llama-3.1-70B b1 ctx 1k",
-        13.9329,
+        13.465,
         "looped_inplace",
         1,
         "test",
