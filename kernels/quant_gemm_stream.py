@@ -137,21 +137,6 @@ class QuantStreamBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionSource:
-    """x = the decode attention's output for one token, made inside the kernel from the synchronized attention's
-    split partials (`kernels.decode_attention`: acc [B, K, S, R, H], l, m [B, K, S, R] f32) instead of read:
-    head n = kv head n // G, row n % G; the splits combined as `combine_splits` combines them and rounded to x's
-    dtype, as the model rounds the attention's output. Each CTA makes only the columns of x it holds, while its first
-    weight stages are in flight, so the combine needs no launch of its own (the o projection's "x prologue")."""
-
-    batch: int  # B: x's rows
-    kv_group: int  # G: query heads per kv head
-    splits: int  # S
-    head_dim: int  # H: one group of the weights' G columns is one head (G == H)
-    dtype: str = "bfloat16"  # x's dtype, which the model's attention output has
-
-
-@dataclasses.dataclass(frozen=True)
 class _Layout:
     """The static shape of one call, derived once in the wrapper."""
 
@@ -167,8 +152,6 @@ class _Layout:
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     m8: int  # x's rows padded to 8
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
-    # x made inside the kernel from the decode attention's split partials (`AttentionSource`), or None: x is an input
-    attention: AttentionSource | None = None
 
     @property
     def trace_regions(self) -> int:  # regions a warpgroup enters in one call, at most: two per unit and a few
@@ -218,9 +201,6 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     """One CTA: units [c·R, min((c+1)·R, U)); warpgroups 0..wgs-1 compute, warpgroup `wgs` copies."""
     sched = lay.sched
     s8 = lay.feed == "s8"
-    made = lay.attention  # x made from the attention's partials, or None
-    if made is not None:  # x_gmem is acc [B, K, S, R, H]; l and m [B, K, S, R] come next
-        (l_gmem, m_gmem), refs = refs[:2], refs[2:]
     n_w = len(sched.tiles) * lay.arrays
     weights = [refs[i : i + lay.arrays] for i in range(0, n_w, lay.arrays)]  # (codes, scales(, offsets)) each
     o_gmem, *scratch = refs[n_w:]
@@ -231,7 +211,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     else:  # x per stage [stages, M8, tile_k]
         x_smem, c_smem, *group_smems, out_smem, produced, consumed = scratch
     m8 = lay.m8
-    cdt = jnp.dtype(made.dtype) if made is not None else x_gmem.dtype
+    cdt = x_gmem.dtype
     tile_n, tile_k, gw, wgs = lay.tile_n, lay.tile_k, lay.gw, lay.wgs
     rows = tile_n // wgs  # rows of a unit per compute warpgroup
     bits = code_bits(c_smem.dtype)
@@ -252,7 +232,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     def issue_x(j, slot):  # copy x's part of the unit of local step j into `slot`
         if s8:  # the CTA's x once, at its first unit: each group of each held k-step as rows (group, m)
-            if j == 0 and made is None:  # (x made from the attention's partials is not copied: `attention_rows`)
+            if j == 0:
                 for jk in range(lay.ks_held):
                     kk = lax.rem(kk0 + jk, ks)
                     for g in range(lay.group_rows):
@@ -294,41 +274,8 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             drain = lambda j, carry: (plgpu.barrier_wait(consumed.at[lax.rem(j, lay.stages)]), carry)[1]  # noqa: E731
             lax.fori_loop(lax.max(nsteps - lay.stages, 0), nsteps, drain, None)
 
-    def attention_rows():  # the CTA's x, combined from the attention's partials, its rows dealt over the warpgroups
-        vec = plgpu.Layout.WG_STRIDED((lay.group,), vec_size=1)  # one head's H values
-        real = [r for r in range(lay.x_rows) if r // m8 < lay.ks_held * lay.group_rows and r % m8 < made.batch]
-        order = real + [r for r in range(lay.x_rows) if r not in real]  # the combined rows first, then the zeros
-        for i, r in enumerate(order):
-            grp, b = divmod(r, m8)
-            jk, g = divmod(grp, lay.group_rows)
-
-            @pl.when(wg == i % wgs)
-            def _():
-                row = xs_smem.at[r]  # [G] f32
-                if jk >= lay.ks_held or b >= made.batch:  # past the held groups or x's rows: zeros, as x's padding
-                    row[...] = plgpu.layout_cast(jnp.zeros((lay.group,), jnp.float32), vec)
-                    return
-                n = lax.rem(kk0 + jk, ks) * (tile_k // lay.group) + g  # the head whose H columns group grp holds
-                kvh, gq = lax.div(n, made.kv_group), lax.rem(n, made.kv_group)
-                splits = range(made.splits)  # every load first, so that they are in flight together
-                ms = [m_gmem[b, kvh, sp, gq] for sp in splits]
-                ls = [l_gmem[b, kvh, sp, gq] for sp in splits]
-                accs = [plgpu.load(x_gmem.at[b, kvh, sp, gq], layout=vec, optimized=False) for sp in splits]  # [H]
-                m_all = functools.reduce(jnp.maximum, ms)
-                o = l = None
-                for m_s, l_s, acc in zip(ms, ls, accs):  # `combine_body`'s arithmetic, in split order
-                    c = jnp.exp(m_s - m_all)
-                    o = c * acc if o is None else o + c * acc
-                    l = c * l_s if l is None else l + c * l_s
-                row[...] = (o / l).astype(cdt).astype(jnp.float32)  # the attention's output, rounded as the model's
-
-        plgpu.commit_smem()  # this warpgroup's rows, stored by its every thread
-        plgpu.barrier_arrive(x_ready)  # made: every compute warpgroup arrives (the copy's arrivals, for copied x)
-
     @jax.named_scope("round_x")
     def round_x():  # s8: `quantize_activations` of the CTA's x, 64 rows (group, m) per chunk and warpgroup
-        if made is not None:
-            attention_rows()
         with jax.named_scope("wait_x"):
             plgpu.barrier_wait(x_ready)
         for ch in range(lay.x_rows // 64):
@@ -339,7 +286,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 # int4 codes want x in their stored order (`x_as_s8_operand`), int8 codes in K order: the
                 # WGMMA_LAYOUT_8BIT registers as loaded
                 layout = plgpu.Layout.WGMMA if bits == 4 else plgpu.Layout.WGMMA_8BIT
-                xf = plgpu.load(xs_smem.at[rsl], layout=layout, optimized=made is None).astype(jnp.float32)  # [64, G]
+                xf = plgpu.load(xs_smem.at[rsl], layout=layout).astype(jnp.float32)  # [64, G]
                 amax = jnp.max(jnp.abs(xf), axis=1)  # [64]
                 s = jnp.where(amax > 0, amax / 127, jnp.float32(1))
                 q = jnp.round(xf / lax.broadcast_in_dim(s, xf.shape, [0]))
@@ -560,12 +507,9 @@ def _s8_shape_error(cfg: QuantStreamBlocks, group: int, m8: int) -> str | None:
     return None
 
 
-def _plan(
-    cfg: QuantStreamBlocks, x, weights, group: int, ctas: int, attention: AttentionSource | None = None
-) -> tuple[int, _Layout]:
+def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[int, _Layout]:
     """(pipeline stages that fit in cfg.smem_bytes, the call's layout with cfg.stages) for resolved blocks.
-    A stage holds a unit's weight (and, but for s8, its x); s8 holds the CTA's x once, copied (made, in f32, from
-    `attention`) and rounded."""
+    A stage holds a unit's weight (and, but for s8, its x); s8 holds the CTA's x once, copied and rounded."""
     m, k = x.shape
     m8 = -(-m // 8) * 8
     codes0, scales0, offsets0 = weights[0]
@@ -578,18 +522,7 @@ def _plan(
     bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
     arrays = 2 if offsets0 is None else 3
     lay = _Layout(
-        sched,
-        cfg.tile_n,
-        cfg.tile_k,
-        group,
-        cfg.stages,
-        cfg.compute_wgs,
-        arrays,
-        cfg.scale_in,
-        feed,
-        bias,
-        m8,
-        attention=attention,
+        sched, cfg.tile_n, cfg.tile_k, group, cfg.stages, cfg.compute_wgs, arrays, cfg.scale_in, feed, bias, m8
     )
     group_rows = lay.group_rows
     stage_bytes = cfg.tile_k * cfg.tile_n * bits // 8
@@ -598,16 +531,13 @@ def _plan(
     if cfg.trace_dir:  # the profiler's buffer: 4 words a region, per warpgroup
         fixed += (cfg.compute_wgs + 1) * 4 * lay.trace_regions * 4
     if feed == "s8":
-        held = 4 if attention is not None else x.dtype.itemsize
-        fixed += lay.x_rows * (group * (held + 1) + (2 + (offsets0 is not None)) * 4)
+        fixed += lay.x_rows * (group * (x.dtype.itemsize + 1) + (2 + (offsets0 is not None)) * 4)
     else:
         stage_bytes += cfg.tile_k * m8 * x.dtype.itemsize
     return (cfg.smem_bytes - fixed) // stage_bytes, lay
 
 
-def resolve_blocks(
-    cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | None = None, attention: AttentionSource | None = None
-) -> QuantStreamBlocks:
+def resolve_blocks(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | None = None) -> QuantStreamBlocks:
     """`cfg.resolved` for one call: x [M, K] and weights as `quant_stream_partials` takes them (arrays or
     ShapeDtypeStructs). int4_feed / int8_feed "auto" becomes "s8" where G and M8 take it and cfg.stages pipeline
     stages still fit beside the CTA's x, else "relabel" / "convert". Fewer stages starve the pipeline:
@@ -621,49 +551,29 @@ def resolve_blocks(
     if cfg.feed_for(bits) == "auto":
         as_s8 = cfg.resolved(ns, offsets0 is not None, bits, s8_fits=True)
         m8 = -(-x.shape[0] // 8) * 8
-        fit = _plan(as_s8, x, weights, group, ctas, attention)[0]
-        s8_fits = _s8_shape_error(as_s8, group, m8) is None and fit >= cfg.stages
+        s8_fits = _s8_shape_error(as_s8, group, m8) is None and _plan(as_s8, x, weights, group, ctas)[0] >= cfg.stages
     return cfg.resolved(ns, offsets0 is not None, bits, s8_fits)
 
 
 def quant_stream_partials(
-    x,
-    weights,
-    layer,
-    *,
-    group: int,
-    cfg: QuantStreamBlocks,
-    permuted_codes: bool = False,
-    interpret: bool = False,
-    attention=None,
+    x, weights, layer, *, group: int, cfg: QuantStreamBlocks, permuted_codes: bool = False, interpret: bool = False
 ):
     """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are.
     x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None).
     permuted_codes: the codes' columns are in `permute_k` order (int4 codes in whole 32-column groups,
-    as `jaxdecode.quantized` stores them), so the relabelling feed takes x as it is.
-    attention: (AttentionSource, acc, l, m), the decode attention's split partials, from which the kernel makes x
-    (then only x's ShapeDtypeStruct [B, N·H]): int4 codes stored permuted, the s8 feed, G = H."""
+    as `jaxdecode.quantized` stores them), so the relabelling feed takes x as it is."""
     weights = tuple(tuple(w) for w in weights)
     m, k = x.shape
     m8 = -(-m // 8) * 8
     codes0, scales0, offsets0 = weights[0]
     bits = code_bits(codes0.dtype)
     ctas = cfg.ctas or flat_gemm_stream.default_ctas()
-    source, *source_arrays = attention if attention is not None else (None,)
-    cfg = resolve_blocks(cfg, x, weights, group, ctas, source)
+    cfg = resolve_blocks(cfg, x, weights, group, ctas)
     _check(x, weights, group, cfg)
-    if source is not None and (
-        bits != 4 or not permuted_codes or cfg.int4_feed != "s8" or group != source.head_dim or x.dtype != source.dtype
-    ):
-        raise UntiledShape(
-            f"x made from the attention's partials needs int4 codes stored permuted, the s8 feed and G = H: got "
-            f"{bits}-bit codes, permuted_codes={permuted_codes}, int4_feed={cfg.int4_feed!r}, G={group}, "
-            f"H={source.head_dim}, x {x.dtype} against {source.dtype}"
-        )
     arrays = 2 if offsets0 is None else 3
     gw = min(group, cfg.tile_k)
     group_rows = max(1, cfg.tile_k // group)
-    fit, lay = _plan(cfg, x, weights, group, ctas, source)
+    fit, lay = _plan(cfg, x, weights, group, ctas)
     if fit < 2:
         raise UntiledShape(f"two pipeline stages do not fit in smem_bytes={cfg.smem_bytes} at M={m}, K={k}")
     lay = dataclasses.replace(lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret)
@@ -688,19 +598,13 @@ def quant_stream_partials(
         plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=stages),  # consumed: every compute warpgroup
     )
     if s8:  # the CTA's x as copied, rounded and its constants; x copied, x rounded by every compute warpgroup
-        held = (  # x as copied; made from the attention's partials: f32 rows as stored one by one
-            plgpu.SMEM((lay.x_rows, group), jnp.float32)
-            if source is not None
-            else plgpu.SMEM((lay.x_rows, group), x.dtype, transforms=smem_transforms(group, 8 * x.dtype.itemsize))
-        )
         scratch = (
-            held,
+            plgpu.SMEM((lay.x_rows, group), x.dtype, transforms=smem_transforms(group, 8 * x.dtype.itemsize)),
             plgpu.SMEM((lay.x_rows, group), jnp.int8, transforms=smem_transforms(group, 8)),
             plgpu.SMEM((2 + (offsets0 is not None), lay.x_rows), jnp.float32),
             *weight_stages,
             *pipeline_barriers,
-            # x_ready: x's copies, or every compute warpgroup's rows made from the attention's partials
-            plgpu.Barrier(num_arrivals=cfg.compute_wgs if source is not None else lay.ks_held * group_rows),
+            plgpu.Barrier(num_arrivals=lay.ks_held * group_rows),
             plgpu.Barrier(num_arrivals=cfg.compute_wgs),
         )
     else:
@@ -726,11 +630,7 @@ def quant_stream_partials(
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
-        *(
-            source_arrays  # acc, l, m
-            if source is not None
-            else (x if flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),)
-        ),
+        x if flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0))),
         *(a for w in weights for a in w if a is not None),
     )
     return out, sched
@@ -771,56 +671,10 @@ def quant_gemm_multi(
     partials, sched = quant_stream_partials(
         x, weights, layer, group=group, cfg=block_sizes, permuted_codes=permuted_codes, interpret=interpret
     )
-    return _split_outputs(partials, sched, weights, x.shape[0], out_dtype)
-
-
-def _split_outputs(partials, sched, weights, m: int, out_dtype) -> tuple:
-    """The written slots summed ([M, ΣN] f32, one XLA fusion) and split per weight, each in out_dtype."""
     tile_n = partials.shape[1] // sched.tile_count
-    y = flat_gemm_stream.combine(partials, sched, tile_n, m)  # [M, ΣN] f32
+    y = flat_gemm_stream.combine(partials, sched, tile_n, x.shape[0])  # [M, ΣN] f32
     bounds = np.cumsum([w[0].shape[1] for w in weights])[:-1]
     return tuple(part.astype(out_dtype) for part in jnp.split(y, bounds, axis=1))
-
-
-@functools.partial(jax.jit, static_argnames=("group", "kv_group", "x_dtype", "out_dtype", "block_sizes", "interpret"))
-def quant_gemm_from_attention(
-    acc: jax.Array,  # [B, K, S, R, H] f32
-    l: jax.Array,  # [B, K, S, R] f32
-    m: jax.Array,  # [B, K, S, R] f32
-    weights,  # tuple of (codes [L, N_i, K·G·H] int4 stored in `permute_k` order, scales [L, K·G·H/G_w, N_i], offsets)
-    layer: jax.Array | int,
-    *,
-    group: int,
-    kv_group: int,
-    x_dtype=jnp.bfloat16,
-    out_dtype=None,
-    block_sizes: QuantStreamBlocks = QuantStreamBlocks(),
-    interpret: bool = False,
-):
-    """`quant_gemm_multi` of the decode attention's output o [B, N·H] (N = K·kv_group heads) with o made inside the
-    kernel from the synchronized attention's split partials (`AttentionSource`): the o projection with the split
-    combine as its x prologue, one launch instead of two. Each output [B, N_i] in out_dtype (default x_dtype).
-    Equivalent to the following JAX code, up to the rounding of x to int8 (the s8 feed) and of exp:
-
-      o, _ = decode_attention.combine.combine_partials(acc, l, m)            # [B, K, R, H] f32
-      x = o[:, :, :kv_group].reshape(B, -1).astype(x_dtype)                # [B, N·H]
-      quant_gemm_multi(x, weights, layer, group=group, permuted_codes=True)
-    """
-    batch, kv_heads, splits, _, head_dim = acc.shape
-    source = AttentionSource(batch, kv_group, splits, head_dim, jnp.dtype(x_dtype).name)
-    x = jax.ShapeDtypeStruct((batch, kv_heads * kv_group * head_dim), jnp.dtype(x_dtype))
-    weights = tuple(tuple(w) for w in weights)
-    partials, sched = quant_stream_partials(
-        x,
-        weights,
-        layer,
-        group=group,
-        cfg=block_sizes,
-        permuted_codes=True,
-        interpret=interpret,
-        attention=(source, acc, l, m),
-    )
-    return _split_outputs(partials, sched, weights, batch, x.dtype if out_dtype is None else out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
