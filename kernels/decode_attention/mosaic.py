@@ -324,6 +324,18 @@ def sync_call(
     return tuple(jax.freeze(r) for r in refs) if poison else outs
 
 
+def _combine_rows_out(group: int, rows: int, head_dim: int) -> int:
+    """The combine's output rows C (G rounded up to the layout's 8 columns), after checking that it takes H (in
+    64-column blocks) and G (C within the partials' R rows)."""
+    rows_out = -(-group // 8) * 8
+    if head_dim % _COLS or rows_out > rows:
+        raise ValueError(
+            f"the mosaic combine takes H in multiples of {_COLS} and G <= R rounded up to 8; got H={head_dim}, "
+            f"G={group}, R={rows}"
+        )
+    return rows_out
+
+
 def sync_combine_call(
     layer,
     lengths,
@@ -353,12 +365,7 @@ def sync_combine_call(
     GMEM semaphores) the programs run one after another in grid order, so split splits - 1 of (b, h) runs
     after the others and combines without waiting: the same data flow and arithmetic."""
     batch, kv_heads, rows, head_dim = q_rows.shape
-    rows_out = -(-group // 8) * 8
-    if head_dim % _COLS or rows_out > rows:
-        raise ValueError(
-            f"the fused combine takes H in multiples of {_COLS} and G <= R rounded up to 8; got H={head_dim}, "
-            f"G={group}, R={rows}"
-        )
+    rows_out = _combine_rows_out(group, rows, head_dim)
     k, v, scratch, body, partial_shapes = _sync_setup(q_rows, k, v, splits, block_k, stages, sm_scale, group, 1)
 
     def kernel(layer_gmem, len_gmem, q_gmem, k_gmem, v_gmem, o_gmem, acc_gmem, l_gmem, m_gmem):
@@ -406,12 +413,7 @@ def combine_call(acc, l, m, *, group: int, out_dtype, interpret: bool = False, p
     """The partials acc [B, K, splits, R, H], l, m [B, K, splits, R] (one token: rows 0..G-1 are the
     heads of a kv head) -> o [B, K, G, H] in out_dtype, over the grid (B, K, H / 64)."""
     batch, kv_heads, splits, rows, head_dim = acc.shape
-    rows_out = -(-group // 8) * 8
-    if head_dim % _COLS or rows_out > rows:
-        raise ValueError(
-            f"the mosaic combine takes H in multiples of {_COLS} and G <= R rounded up to 8; got H={head_dim}, "
-            f"G={group}, R={rows}"
-        )
+    rows_out = _combine_rows_out(group, rows, head_dim)
 
     def kernel(*gmem):  # acc, l, m, o
         if not interpret:  # the o GEMM after it may start now (if it waits: `StreamBlocks.pdl`), to load weights
