@@ -76,10 +76,21 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream_tk512_n128": qs.QuantStreamBlocks(tile_n=128, tile_k=512),
     "stream_relabel_tk512": qs.QuantStreamBlocks(int4_feed="relabel", tile_k=512),
     "stream_relabel_st8": qs.QuantStreamBlocks(int4_feed="relabel", stages=8),
+    # a launch's first burst held short: at most 1-3 units' copies outstanding per CTA past the last landed one
+    # (every CTA's first units are served interleaved, so with 4 outstanding the first lands when the whole burst has)
+    "stream_inflight1": qs.QuantStreamBlocks(in_flight=1),
+    "stream_inflight2": qs.QuantStreamBlocks(in_flight=2),
+    "stream_inflight3": qs.QuantStreamBlocks(in_flight=3),
+    "stream_st3": qs.QuantStreamBlocks(stages=3),
+    "stream_st2": qs.QuantStreamBlocks(stages=2),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
 INT8_VARIANTS = (
     "stream",
+    "stream_inflight1",
+    "stream_inflight2",
+    "stream_inflight3",
+    "stream_st3",
     "stream_relabel",
     "stream_w_2wg",
     "stream_acc_4wg",

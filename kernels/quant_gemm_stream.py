@@ -77,6 +77,10 @@ class QuantStreamBlocks:
     tile_n: int | None = None  # weight rows per unit, 64 per compute warpgroup; None: see `resolved`
     tile_k: int = 256  # reduction depth per unit: a multiple of G, or a divisor of it
     stages: int = 4  # units in flight per CTA (>= 2); cut to what fits in smem_bytes
+    # units whose copies are issued and not yet landed, per CTA, at most; None: 2 for int4 codes, `stages` for int8
+    # (`resolved`). Every CTA's first units are served interleaved, so the fewer are outstanding the sooner the first
+    # lands; int4 launches measured 1-3% faster with 2, int8's 0-2% slower (docs/kernels.md)
+    in_flight: int | None = None
     compute_wgs: int | None = None  # 1 to 4 warpgroups converting codes and issuing wgmma; None: tile_n / 64
     # "acc": each group's codes · x into an accumulator of its own, scaled (and its offset times the group's
     # Σx added) in f32 per unit; "w": codes scaled and offset in registers, in x's dtype, one accumulator;
@@ -109,7 +113,8 @@ class QuantStreamBlocks:
         scale_in "auto": "acc" for biased and s8 int4 codes, else "w" for weights with offsets and "acc"
         otherwise; tile_n=None: the widest tile that divides every width, up to 256 rows under "w" and s8
         (four compute warpgroups: converting, scaling and offsetting int4 codes is what bounds it) and 128
-        under "acc" (two: more measured slower); compute_wgs=None: one warpgroup per 64 rows."""
+        under "acc" (two: more measured slower); compute_wgs=None: one warpgroup per 64 rows; in_flight=None: 2 for
+        int4 codes, unbounded (the ring's `stages`) for int8."""
         feed = ("s8" if s8_fits else "relabel") if self.int4_feed == "auto" else self.int4_feed
         feed8 = ("s8" if s8_fits else "convert") if self.int8_feed == "auto" else self.int8_feed
         biased = bits == 4 and feed == "biased"
@@ -125,6 +130,7 @@ class QuantStreamBlocks:
             scale_in=scale_in,
             int4_feed=feed,
             int8_feed=feed8,
+            in_flight=self.in_flight if self.in_flight is not None else (2 if bits == 4 else None),
         )
 
     def feed_for(self, bits: int) -> str:
@@ -151,6 +157,7 @@ class _Layout:
     feed: str  # int4 codes: "biased", "relabel", "shuffle" (x permuted to match); int8: "int8"; either: "s8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     m8: int  # x's rows padded to 8
+    in_flight: int = 0  # units issued ahead of the last landed one (0: `stages`)
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
 
     @property
@@ -258,21 +265,35 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     @pl.when(wg == wgs)
     def _memory():
+        ahead = lay.in_flight or lay.stages  # units issued and not yet landed, at most
         with jax.named_scope("issue_first"):
-            flat_gemm_stream.pdl_prologue(lay.stages, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
+            flat_gemm_stream.pdl_prologue(ahead, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
 
         def refill(j, carry):
             slot = lax.rem(j, lay.stages)
-            with jax.named_scope("wait_free"):
-                plgpu.barrier_wait(consumed.at[slot])  # both compute warpgroups are done with unit j - stages
+            if ahead < lay.stages:
+                with jax.named_scope("wait_landed"):
+                    plgpu.barrier_wait(produced.at[lax.rem(j - ahead, lay.stages)])  # unit j - ahead has landed
+
+                @pl.when(j >= lay.stages)
+                def _():
+                    with jax.named_scope("wait_free"):
+                        plgpu.barrier_wait(consumed.at[slot])
+
+            else:
+                with jax.named_scope("wait_free"):
+                    plgpu.barrier_wait(consumed.at[slot])  # every compute warpgroup is done with unit j - stages
             with jax.named_scope("issue"):
                 (issue_weights if s8 else issue)(j, slot)
             return carry
 
-        lax.fori_loop(lay.stages, nsteps, refill, None)
+        lax.fori_loop(ahead, nsteps, refill, None)
         if interpret:  # Mosaic GPU's interpreter wants every phase of a barrier seen by all that wait on it
             drain = lambda j, carry: (plgpu.barrier_wait(consumed.at[lax.rem(j, lay.stages)]), carry)[1]  # noqa: E731
             lax.fori_loop(lax.max(nsteps - lay.stages, 0), nsteps, drain, None)
+            if ahead < lay.stages:
+                landed = lambda j, carry: (plgpu.barrier_wait(produced.at[lax.rem(j, lay.stages)]), carry)[1]  # noqa: E731
+                lax.fori_loop(lax.max(nsteps - ahead, 0), nsteps, landed, None)
 
     @jax.named_scope("round_x")
     def round_x():  # s8: `quantize_activations` of the CTA's x, 64 rows (group, m) per chunk and warpgroup
@@ -461,6 +482,8 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
     m, k = x.shape
     if not weights:
         raise ValueError("quant_gemm_multi needs at least one weight")
+    if cfg.in_flight is not None and cfg.in_flight < 1:
+        raise ValueError(f"in_flight must be None or at least 1 unit, got {cfg.in_flight}")
     first = weights[0]
     for codes, scales, offsets in weights:
         quant_gemm.check_shapes(x, codes, scales, offsets, group, None)
@@ -576,7 +599,9 @@ def quant_stream_partials(
     fit, lay = _plan(cfg, x, weights, group, ctas)
     if fit < 2:
         raise UntiledShape(f"two pipeline stages do not fit in smem_bytes={cfg.smem_bytes} at M={m}, K={k}")
-    lay = dataclasses.replace(lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret)
+    stages = max(2, min(cfg.stages, fit))
+    in_flight = 0 if cfg.in_flight is None or cfg.in_flight >= stages else cfg.in_flight
+    lay = dataclasses.replace(lay, stages=stages, in_flight=in_flight, pdl=cfg.pdl and not interpret)
     sched, feed, stages, rows = lay.sched, lay.feed, lay.stages, cfg.tile_n // cfg.compute_wgs
     s8 = feed == "s8"
     if permuted_codes and (feed == "int8" or group % 32):

@@ -174,6 +174,14 @@ class TestQuantStream:
             pytest.skip("interpreted in a process of its own: test_s8_feed_interpreted_matches_reference")
         _check_case(name, self._blocks(CASES[name]), self.INTERPRET)
 
+    @pytest.mark.parametrize("in_flight", [1, 2])
+    @pytest.mark.parametrize("name", ["int4_g128_m1_relabel_w", "int8_g128_m19_qkv", "int4_g32_m5_qkv_offsets"])
+    def test_bounded_in_flight_matches_reference(self, name, in_flight):
+        """Copies held to `in_flight` units past the last landed one (the memory warpgroup also waits on the
+        stages' arrivals), on 3 CTAs so each runs several units through a ring of 3 stages."""
+        cfg = dataclasses.replace(self._blocks(CASES[name]), stages=3, in_flight=in_flight)
+        _check_case(name, dataclasses.replace(cfg, ctas=3) if self.INTERPRET else cfg, self.INTERPRET)
+
     def test_loop_over_layers_reads_each_layer(self):
         """A fori_loop with a traced layer index, each layer's output feeding the next ([L, K, K] codes)."""
         case = Case(8, "int4", 128, ns=(256,), k=256)
@@ -238,13 +246,14 @@ LLAMA = {  # name: (M, N_i, K) of Llama-3.1-8B's projections, as the engine hand
 class TestCompiledAtLlamaShapes:
     INTERPRET = False  # conftest's fixture runs module-level tests on the CPU device: a class keeps the GPU
 
-    @pytest.mark.parametrize("pdl", [False, True])
+    @pytest.mark.parametrize("schedule", ["default", "pdl", "in_flight_2"])
     @pytest.mark.parametrize("fmt", ["int4", "int8", "int4_s8", "int8_s8"])
     @pytest.mark.parametrize("name", list(LLAMA))
-    def test_every_call_matches_reference(self, fmt, name, pdl):
+    def test_every_call_matches_reference(self, fmt, name, schedule):
         """The engine's blocks (`QuantStreamBlocks()`, every SM) at full size, three calls of one compiled
         function: a register-operand hazard once corrupted some calls and not others at these shapes, never
-        at the small ones above (docs/kernels.md). pdl: weights loaded before griddepcontrol.wait. *_s8:
+        at the small ones above (docs/kernels.md). pdl: weights loaded before griddepcontrol.wait; in_flight_2: at
+        most two units' copies outstanding. *_s8:
         the int8-activation feed against its own reference."""
         m, ns, k = LLAMA[name]
         s8 = fmt.endswith("_s8")
@@ -254,7 +263,8 @@ class TestCompiledAtLlamaShapes:
         reference = qs.quant_gemm_s8_reference if s8 else qg.quant_gemm_reference
         refs = [reference(x, c, s, o, layer, group=128) for c, s, o in weights]
         feed = dict(int4_feed="s8", int8_feed="s8") if s8 else dict(int4_feed="relabel", int8_feed="convert")
-        cfg = qs.QuantStreamBlocks(pdl=pdl, **feed)
+        extra = {"default": {}, "pdl": dict(pdl=True), "in_flight_2": dict(in_flight=2)}[schedule]
+        cfg = qs.QuantStreamBlocks(**extra, **feed)
         gemm = jax.jit(lambda x, weights: qs.quant_gemm_multi(x, weights, layer, group=128, block_sizes=cfg))
         scale_in = cfg.resolved(ns, fmt == "int4", 4 if fmt == "int4" else 8).scale_in
         for _ in range(3):
