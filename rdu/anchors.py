@@ -133,20 +133,20 @@ INPLACE_ROWS = (
     GPURow("ours, Llama-3.1-8B b32 ctx 8k", 12.873, "looped_inplace", 32, "test", SI, context=8320),
     GPURow("ours, Qwen2.5-7B b1 ctx 1k", 4.556, "looped_inplace", 1, "test", SIQ, context=1152, model="qwen2.5-7b"),
 )
-Q8 = (
-    "benchmarks/results/2026-12-04/ab_int8_s8_8b_h200.jsonl (benchmarks/ab.py --check, one H200, int8 activations "
-    "where they fit (int8_feed='auto'), 64 steps after a 1024-token context and a 16-token prompt: cache 1152; "
-    "median of 3; read ceiling 4440 GB/s)"
+QRUN = (
+    "benchmarks/results/2026-12-04/ab_inflight_default_8b_h200.jsonl (benchmarks/ab.py --check, one H200, int8 "
+    "activations where they fit, int4 launches with at most two units' copies outstanding per CTA (in_flight), 64 "
+    "steps after a 1024-token context and a 16-token prompt: cache 1152; median of 2; read ceiling 4462 GB/s)"
 )
-Q4 = (
-    "benchmarks/results/2026-12-04/ab_int4_auto_8b_h200.jsonl (benchmarks/ab.py --check, one H200, int4 codes "
-    "stored in the kernel's K order, int8 activations where they fit (int4_feed='auto'), 64 steps after a "
-    "1024-token context and a 16-token prompt: cache 1152; median of 3; read ceiling 4350 GB/s)"
+Q4_BF16 = (
+    "benchmarks/results/2026-12-04/ab_int4_auto_8b_h200.jsonl (benchmarks/ab.py --check, one H200, the bf16 rows "
+    "of the run before in_flight, whose baseline was named once; 64 steps after a 1024-token context and a "
+    "16-token prompt: cache 1152; median of 3; read ceiling 4350 GB/s)"
 )
 Q70 = (
-    "benchmarks/results/2026-12-04/ab_int4_s8_70b_h200.jsonl (benchmarks/ab.py --model llama-3.1-70b --quantize int4 "
-    "--batches 1 --profile, one H200, int8 activations where they fit, 64 steps after a 1024-token context and a "
-    "16-token prompt: cache 1152; median of 3; read ceiling 4495 GB/s)"
+    "benchmarks/results/2026-12-04/ab_int4_inflight_70b_h200.jsonl (benchmarks/ab.py --model llama-3.1-70b --quantize "
+    "int4 --batches 1, one H200, int8 activations where they fit, in_flight 2, 64 steps after a 1024-token context and "
+    "a 16-token prompt: cache 1152; median of 3; read ceiling 4497 GB/s)"
 )
 # Our engine with quantized weights (GPU mode "looped_inplace", rdu.quantized's kernels: the Stream-K
 # quantized GEMM, q·k·v and gate + up fused into one launch each). One row fits the one quantized constant
@@ -162,14 +162,20 @@ PREVIOUS_KERNEL_FILES = (
 )
 QUANT_ROWS = (
     GPURow(
-        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.3637, "looped_inplace", 1, "train", Q4, context=1152, quantize="int4"
+        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.3061, "looped_inplace", 1, "train", QRUN, context=1152, quantize="int4"
     ),
-    GPURow("ours int8, Llama-3.1-8B b1 ctx 1k", 3.091, "looped_inplace", 1, "test", Q8, context=1152, quantize="int8"),
-    GPURow("ours int4, Llama-3.1-8B b8 ctx 1k", 2.7842, "looped_inplace", 8, "test", Q4, context=1152, quantize="int4"),
-    GPURow("ours int8, Llama-3.1-8B b8 ctx 1k", 3.5104, "looped_inplace", 8, "test", Q8, context=1152, quantize="int8"),
+    GPURow(
+        "ours int8, Llama-3.1-8B b1 ctx 1k", 3.0835, "looped_inplace", 1, "test", QRUN, context=1152, quantize="int8"
+    ),
+    GPURow(
+        "ours int4, Llama-3.1-8B b8 ctx 1k", 2.7283, "looped_inplace", 8, "test", QRUN, context=1152, quantize="int4"
+    ),
+    GPURow(
+        "ours int8, Llama-3.1-8B b8 ctx 1k", 3.516, "looped_inplace", 8, "test", QRUN, context=1152, quantize="int8"
+    ),
     GPURow(
         "ours int4, Llama-3.1-70B b1 ctx 1k",
-        13.465,
+        13.3242,
         "looped_inplace",
         1,
         "test",
@@ -178,8 +184,24 @@ QUANT_ROWS = (
         model="llama-3.1-70b",
         quantize="int4",
     ),
-    GPURow("ours bf16 (same run), Llama-3.1-8B b1 ctx 1k", 4.5516, "looped_inplace", 1, "test", Q4, context=1152),
-    GPURow("ours bf16 (same run), Llama-3.1-8B b8 ctx 1k", 4.9832, "looped_inplace", 8, "test", Q4, context=1152),
+    GPURow(
+        "ours bf16 (int4's earlier run), Llama-3.1-8B b1 ctx 1k",
+        4.5516,
+        "looped_inplace",
+        1,
+        "test",
+        Q4_BF16,
+        context=1152,
+    ),
+    GPURow(
+        "ours bf16 (int4's earlier run), Llama-3.1-8B b8 ctx 1k",
+        4.9832,
+        "looped_inplace",
+        8,
+        "test",
+        Q4_BF16,
+        context=1152,
+    ),
 )
 # The same engine under tensor parallelism (shard_map, 2 psums per layer), cache 1088 (1024 + 16 + 32
 # rounded up to 64), 32 steps: reported with the fitted constants, never fitted.
