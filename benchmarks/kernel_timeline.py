@@ -52,6 +52,7 @@ CASES = {  # name: (shape, code dtype, QuantStreamBlocks fields)
     "o_int4": ("o", jnp.int4, {}),
     "qkv_int4": ("qkv", jnp.int4, {}),
     "down_int4": ("down", jnp.int4, {}),
+    "down_int4_unbounded": ("down", jnp.int4, {"in_flight": 4}),  # every stage out at once (in_flight off)
     "gate+up_int4": ("gate+up", jnp.int4, {}),
     "down_int4_relabel": ("down", jnp.int4, {"int4_feed": "relabel"}),
     "down_int8": ("down", jnp.int8, {}),
