@@ -76,8 +76,8 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream_tk512_n128": qs.QuantStreamBlocks(tile_n=128, tile_k=512),
     "stream_relabel_tk512": qs.QuantStreamBlocks(int4_feed="relabel", tile_k=512),
     "stream_relabel_st8": qs.QuantStreamBlocks(int4_feed="relabel", stages=8),
-    # a launch's first burst held short: at most 1-3 units' copies outstanding per CTA past the last landed one
-    # (every CTA's first units are served interleaved, so with 4 outstanding the first lands when the whole burst has)
+    # a launch's first burst held short: at most 1-3 units' copies outstanding per CTA past the last landed one, so
+    # a CTA's units land spread out rather than all four at the end of one burst
     "stream_inflight1": qs.QuantStreamBlocks(in_flight=1),
     "stream_inflight2": qs.QuantStreamBlocks(in_flight=2),
     "stream_inflight3": qs.QuantStreamBlocks(in_flight=3),

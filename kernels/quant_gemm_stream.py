@@ -78,8 +78,8 @@ class QuantStreamBlocks:
     tile_k: int = 256  # reduction depth per unit: a multiple of G, or a divisor of it
     stages: int = 4  # units in flight per CTA (>= 2); cut to what fits in smem_bytes
     # units whose copies are issued and not yet landed, per CTA, at most; None: 2 for int4 codes, `stages` for int8
-    # (`resolved`). Every CTA's first units are served interleaved, so the fewer are outstanding the sooner the first
-    # lands; int4 launches measured 1-3% faster with 2, int8's 0-2% slower (docs/kernels.md)
+    # (`resolved`). With fewer outstanding a CTA's units land spread out rather than in one burst, which measured
+    # faster for int4 launches and not for int8's (docs/kernels.md)
     in_flight: int | None = None
     compute_wgs: int | None = None  # 1 to 4 warpgroups converting codes and issuing wgmma; None: tile_n / 64
     # "acc": each group's codes · x into an accumulator of its own, scaled (and its offset times the group's
@@ -271,18 +271,17 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
         def refill(j, carry):
             slot = lax.rem(j, lay.stages)
-            if ahead < lay.stages:
-                with jax.named_scope("wait_landed"):
-                    plgpu.barrier_wait(produced.at[lax.rem(j - ahead, lay.stages)])  # unit j - ahead has landed
 
-                @pl.when(j >= lay.stages)
-                def _():
-                    with jax.named_scope("wait_free"):
-                        plgpu.barrier_wait(consumed.at[slot])
-
-            else:
+            def wait_free():
                 with jax.named_scope("wait_free"):
                     plgpu.barrier_wait(consumed.at[slot])  # every compute warpgroup is done with unit j - stages
+
+            if ahead < lay.stages:  # the loop starts below `stages`: the first units' slots are free already
+                with jax.named_scope("wait_landed"):
+                    plgpu.barrier_wait(produced.at[lax.rem(j - ahead, lay.stages)])  # unit j - ahead has landed
+                pl.when(j >= lay.stages)(wait_free)
+            else:
+                wait_free()
             with jax.named_scope("issue"):
                 (issue_weights if s8 else issue)(j, slot)
             return carry
