@@ -83,9 +83,6 @@ VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K)
     "stream_inflight3": qs.QuantStreamBlocks(in_flight=3),
     "stream_st3": qs.QuantStreamBlocks(stages=3),
     "stream_st2": qs.QuantStreamBlocks(stages=2),
-    # int8 activations wherever G allows: x passes through the two-chunk staging ring, so gate + up's CTAs (x of 14
-    # k-steps) keep three stages, where "auto" asks for the four it gets relabelled
-    "stream_s8": qs.QuantStreamBlocks(int4_feed="s8", int8_feed="s8"),
     "tile": qg.QuantBlocks(),  # "w" for int4 with offsets, "acc" for int8
 }
 INT8_VARIANTS = (
@@ -94,7 +91,6 @@ INT8_VARIANTS = (
     "stream_inflight2",
     "stream_inflight3",
     "stream_st3",
-    "stream_s8",
     "stream_relabel",
     "stream_w_2wg",
     "stream_acc_4wg",

@@ -68,10 +68,6 @@ from kernels.quant_gemm import (
 )
 
 MAX_M = 64  # batch rows: the x tile and the accumulators grow with M8 (prefill goes elsewhere)
-# s8: 64-row chunks of x as copied that a CTA holds at once. Two are what o, q·k·v and down round (so they never
-# wait on the ring); gate + up's four pass through them, which leaves it room for three weight stages beside its
-# rounded x where holding all four as copied left two (a starved pipeline, docs/kernels.md)
-X_STAGING_CHUNKS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,14 +173,6 @@ class _Layout:
         return -(-self.ks_held * self.group_rows * self.m8 // 64) * 64
 
     @property
-    def x_chunks(self) -> int:  # s8: the 64-row chunks of x a CTA rounds, each by one compute warpgroup
-        return self.x_rows // 64
-
-    @property
-    def x_slots(self) -> int:  # s8: 64-row chunks of x as copied (16-bit) held at once, a ring the chunks pass through
-        return min(self.x_chunks, X_STAGING_CHUNKS)
-
-    @property
     def gw(self) -> int:  # columns of one group inside a unit
         return min(self.group, self.tile_k)
 
@@ -224,10 +212,8 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     weights = [refs[i : i + lay.arrays] for i in range(0, n_w, lay.arrays)]  # (codes, scales(, offsets)) each
     o_gmem, *scratch = refs[n_w:]
     w_stage = scratch.pop() if interpret else None  # [wgs, rows, gw]: the interpreter's wgmma LHS (SMEM only)
-    if s8:  # x as copied [x_slots·64, G] (a ring of chunks), rounded [x_rows, G] int8, constants [C, x_rows]
-        # x_ready, x_free per chunk: its copies landed, its slot read; xq_ready: every chunk rounded
-        xs_smem, xq_smem, xc_smem, c_smem, *group_smems, out_smem, produced, consumed = scratch[:-3]
-        x_ready, x_free, xq_ready = scratch[-3:]
+    if s8:  # x of the CTA's k-steps as copied [x_rows, G], rounded [x_rows, G] int8, constants [C, x_rows]
+        xs_smem, xq_smem, xc_smem, c_smem, *group_smems, out_smem, produced, consumed, x_ready, xq_ready = scratch
         x_smem = None
     else:  # x per stage [stages, M8, tile_k]
         x_smem, c_smem, *group_smems, out_smem, produced, consumed = scratch
@@ -251,21 +237,15 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     def held_group(j, g):  # s8: the row block (of M8 rows) of group g of the unit of local step j
         return lax.rem(lax.rem(u0 + j, ks) - kk0 + ks, ks) * lay.group_rows + g
 
-    def issue_x_chunk(ch):  # s8: chunk ch of the CTA's x into its staging slot: rows (group, m) of held groups
-        per_chunk = 64 // m8
-        blocks = lay.ks_held * lay.group_rows  # held groups, each M8 rows
-        for i in range(per_chunk):
-            b = min(ch * per_chunk + i, blocks - 1)  # past the last held group: any held group (rows not read)
-            kk = lax.rem(kk0 + b // lay.group_rows, ks)
-            src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k + (b % lay.group_rows) * lay.group, lay.group)]
-            dst = xs_smem.at[pl.ds((ch % lay.x_slots) * 64 + i * m8, m8)]
-            plgpu.copy_gmem_to_smem(src, dst, x_ready.at[ch])  # rows past M: zeros (out of bounds)
-
     def issue_x(j, slot):  # copy x's part of the unit of local step j into `slot`
-        if s8:  # the CTA's x at its first unit, as many chunks as the staging ring holds (the rest: `_memory`)
+        if s8:  # the CTA's x once, at its first unit: each group of each held k-step as rows (group, m)
             if j == 0:
-                for ch in range(lay.x_slots):
-                    issue_x_chunk(ch)
+                for jk in range(lay.ks_held):
+                    kk = lax.rem(kk0 + jk, ks)
+                    for g in range(lay.group_rows):
+                        src = x_gmem.at[pl.ds(0, m8), pl.ds(kk * tile_k + g * lay.group, lay.group)]
+                        dst = xs_smem.at[pl.ds((jk * lay.group_rows + g) * m8, m8)]
+                        plgpu.copy_gmem_to_smem(src, dst, x_ready)  # rows past M: zeros (out of bounds)
             return
         kk = lax.rem(u0 + j, ks)
         # x has M rows; the tile has M8: TMA fills the rows past M with zeros (out of bounds)
@@ -288,14 +268,6 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         ahead = lay.in_flight or lay.stages  # units issued and not yet landed, at most
         with jax.named_scope("issue_first"):
             flat_gemm_stream.pdl_prologue(ahead, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
-        if s8:  # x's chunks past the ring, each once the chunk a ring's length before it has left its slot
-            for ch in range(lay.x_slots, lay.x_chunks):
-
-                @pl.when(nsteps > 0)
-                def _():
-                    with jax.named_scope("wait_x_slot"):
-                        plgpu.barrier_wait(x_free.at[ch - lay.x_slots])
-                    issue_x_chunk(ch)
 
         def refill(j, carry):
             slot = lax.rem(j, lay.stages)
@@ -324,20 +296,17 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     @jax.named_scope("round_x")
     def round_x():  # s8: `quantize_activations` of the CTA's x, 64 rows (group, m) per chunk and warpgroup
-        for ch in range(lay.x_chunks):
+        with jax.named_scope("wait_x"):
+            plgpu.barrier_wait(x_ready)
+        for ch in range(lay.x_rows // 64):
 
             @pl.when(wg == ch % wgs)
             def _():
                 rsl = pl.ds(ch * 64, 64)
-                with jax.named_scope("wait_x"):
-                    plgpu.barrier_wait(x_ready.at[ch])
                 # int4 codes want x in their stored order (`x_as_s8_operand`), int8 codes in K order: the
                 # WGMMA_LAYOUT_8BIT registers as loaded
                 layout = plgpu.Layout.WGMMA if bits == 4 else plgpu.Layout.WGMMA_8BIT
-                staged = xs_smem.at[pl.ds((ch % lay.x_slots) * 64, 64)]
-                xf = plgpu.load(staged, layout=layout).astype(jnp.float32)  # [64, G]
-                if ch + lay.x_slots < lay.x_chunks:  # the slot may take the chunk a ring's length on
-                    plgpu.barrier_arrive(x_free.at[ch])
+                xf = plgpu.load(xs_smem.at[rsl], layout=layout).astype(jnp.float32)  # [64, G]
                 amax = jnp.max(jnp.abs(xf), axis=1)  # [64]
                 s = jnp.where(amax > 0, amax / 127, jnp.float32(1))
                 q = jnp.round(xf / lax.broadcast_in_dim(s, xf.shape, [0]))
@@ -583,8 +552,8 @@ def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[in
     fixed = cfg.compute_wgs * 2 * (cfg.tile_n // cfg.compute_wgs) * m8 * 4  # the flush buffers
     if cfg.trace_dir:  # the profiler's buffer: 4 words a region, per warpgroup
         fixed += (cfg.compute_wgs + 1) * 4 * lay.trace_regions * 4
-    if feed == "s8":  # rounded x and its constants; the staging ring of x as copied
-        fixed += lay.x_rows * (group + (2 + (offsets0 is not None)) * 4) + lay.x_slots * 64 * group * x.dtype.itemsize
+    if feed == "s8":
+        fixed += lay.x_rows * (group * (x.dtype.itemsize + 1) + (2 + (offsets0 is not None)) * 4)
     else:
         stage_bytes += cfg.tile_k * m8 * x.dtype.itemsize
     return (cfg.smem_bytes - fixed) // stage_bytes, lay
@@ -654,14 +623,13 @@ def quant_stream_partials(
     )
     if s8:  # the CTA's x as copied, rounded and its constants; x copied, x rounded by every compute warpgroup
         scratch = (
-            plgpu.SMEM((lay.x_slots * 64, group), x.dtype, transforms=smem_transforms(group, 8 * x.dtype.itemsize)),
+            plgpu.SMEM((lay.x_rows, group), x.dtype, transforms=smem_transforms(group, 8 * x.dtype.itemsize)),
             plgpu.SMEM((lay.x_rows, group), jnp.int8, transforms=smem_transforms(group, 8)),
             plgpu.SMEM((2 + (offsets0 is not None), lay.x_rows), jnp.float32),
             *weight_stages,
             *pipeline_barriers,
-            plgpu.Barrier(num_arrivals=64 // lay.m8, num_barriers=lay.x_chunks),  # x_ready: a chunk's copies
-            plgpu.Barrier(num_arrivals=1, num_barriers=max(1, lay.x_chunks - lay.x_slots)),  # x_free
-            plgpu.Barrier(num_arrivals=cfg.compute_wgs),  # xq_ready
+            plgpu.Barrier(num_arrivals=lay.ks_held * group_rows),
+            plgpu.Barrier(num_arrivals=cfg.compute_wgs),
         )
     else:
         x_stages = plgpu.SMEM((stages, m8, cfg.tile_k), x.dtype, transforms=smem_transforms(gw, 8 * x.dtype.itemsize))

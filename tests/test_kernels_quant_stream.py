@@ -92,9 +92,6 @@ CASES = {
     # 20 units over 8 CTAs, 3 each: CTA 1 holds k-steps 3, 0, 1 (its x wraps around K)
     "int4_g128_m1_s8_wrapping_permuted": Case(1, "int4", 128, ns=(640,), offsets=True, feed="s8", permuted=True),
     "int4_g128_m12_s8_padded": Case(12, "int4", 128, ns=(128, 256), feed="s8"),  # M8 = 16, x padded
-    # M8 = 64, 3 k-steps a CTA: x is three 64-row chunks through the two-chunk staging ring, warpgroup 0 rounds two
-    "int4_g128_m64_s8_ring_permuted": Case(64, "int4", 128, ns=(256,), k=1536, offsets=True, feed="s8", permuted=True),
-    "int8_g128_m64_s8_ring": Case(64, "int8", 128, ns=(256,), k=1536, feed="s8"),
     # int8 codes with int8 activations: codes from SMEM straight into the s8 wgmma
     "int8_g128_m1_qkv_s8": Case(1, "int8", 128, ns=(256, 128, 128), feed="s8"),
     "int8_g128_m8_s8_bf16scales": Case(8, "int8", 128, ns=(640,), scales="bfloat16", feed="s8"),
@@ -281,8 +278,6 @@ LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K; int
     "int4_g128_offsets_m1_gate": (1, jnp.int4, 128, True, (14336,)),
     "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336)),
     "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,)),
-    # s8 asked for: x of 14 k-steps through the staging ring, three stages beside it
-    "int4_g128_offsets_m8_gate_up_s8": (8, jnp.int4, 128, True, (14336, 14336)),
 }
 
 
@@ -301,8 +296,7 @@ def test_lowers_for_hopper_on_any_host(name):
         for n in ns
     )
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    feed = "s8" if name.endswith("_s8") else "auto"
-    cfg = qs.QuantStreamBlocks(ctas=132, pdl=name == "int4_g128_offsets_m1_qkv", int4_feed=feed)  # one with pdl
+    cfg = qs.QuantStreamBlocks(ctas=132, pdl=name == "int4_g128_offsets_m1_qkv")  # one with pdl
     op = lambda x, w, l: qs.quant_gemm_multi(x, w, l, group=group, block_sizes=cfg)
     text = jax.jit(op).trace(x, weights, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in text.as_text()
