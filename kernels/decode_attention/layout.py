@@ -13,18 +13,21 @@ from jax.experimental import pallas as pl
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tunables. num_splits=None picks the most splits that divide the cache's blocks and stay within
-    ceil(target_programs / (B·K)), max_programs // (B·K) and max_splits (`split_layout`)."""
+    """Tunables. num_splits=None picks the fewest splits dividing the cache's blocks that give at least
+    target_programs programs, within max_programs and max_splits; where none does, the most within them
+    (`split_layout`)."""
 
     block_k: int = 64  # cache positions per loop step (power of two; a multiple of 64 for "mosaic")
     num_splits: int | None = None
     num_warps: int = 4  # Triton only
     num_stages: int = 2  # Triton's software pipeline; Mosaic GPU's K and V TMA buffers per program
-    # Programs = batch x kv heads x splits. Aim at ~4 per SM (132 SMs on an H200), stay within one wave
-    # (the kernel's 38 KB of shared memory lets 5 programs share an SM, 660 in all) and below 32 splits
-    # (the combine's cost grows with them). On the H200 more programs per SM were faster per token, and
-    # both a second wave and more splits were slower (Llama-3.1-8B A/B runs; see docs/log/).
-    target_programs: int = 576
+    # Programs = batch x kv heads x splits. Aim at about 1.5 per SM (132 SMs on an H200) in as few, long
+    # programs as reach it, within one wave (a one-stage program's 38 KB of shared memory lets 5 share an SM,
+    # 660 in all) and below 32 splits (the combine's cost grows with them). A program streams its split's
+    # blocks through `num_stages` buffers: on the H200 fewer, longer programs were faster at batch 8 and 32
+    # (Llama-3.1-8B, 1k: 3 splits against 9, 1 against 2), and batch 1's 8 (b, h) pairs still take every
+    # split the cache allows (docs/log/).
+    target_programs: int = 192
     max_programs: int | None = 660
     max_splits: int | None = 32
     # How the synchronized kernel's split partials are combined: "kernel" (`combine_splits`: one Pallas
@@ -58,12 +61,15 @@ def split_layout(batch: int, kv_heads: int, cache_len: int, cfg: BlockSizes) -> 
     if cfg.num_splits is not None:
         splits = cfg.num_splits
     else:
-        want = max(1, -(-cfg.target_programs // (batch * kv_heads)))
+        pairs = batch * kv_heads
+        cap = blocks
         if cfg.max_programs is not None:
-            want = min(want, max(1, cfg.max_programs // (batch * kv_heads)))
+            cap = min(cap, max(1, cfg.max_programs // pairs))
         if cfg.max_splits is not None:
-            want = min(want, cfg.max_splits)
-        splits = max(d for d in range(1, blocks + 1) if blocks % d == 0 and d <= want)
+            cap = min(cap, cfg.max_splits)
+        fit = [d for d in range(1, cap + 1) if blocks % d == 0]  # 1 always divides
+        enough = [d for d in fit if pairs * d >= cfg.target_programs]
+        splits = min(enough) if enough else max(fit)
     return splits, splits * cfg.block_k * -(-blocks // splits)
 
 
