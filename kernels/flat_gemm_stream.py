@@ -248,32 +248,13 @@ def tma_reads_unpadded(m: int) -> bool:
     return m <= 8 or m % 8 == 0
 
 
-def combine_rows(partials, sched: Schedule, tile_n: int) -> jax.Array:
-    """Sum the written slots: [P, T·tile_n, M8] -> yᵀ [T·tile_n, M8] f32. The slots are added one after another
-    rather than reduced over P: elementwise adds fuse with what follows, a transpose to [M, N] included, where a
-    reduction would end XLA's fusion before the transpose at M8 > 1 (one kernel more: SwiGLU at batch 8)."""
-    p, rows, m8 = partials.shape
-    parts = partials.reshape(p, sched.tile_count, tile_n, m8)
-    written = sched.written()  # [P, T], static
-    total = None
-    for slot in range(p):
-        if not written[slot].any():
-            continue
-        part = parts[slot] if written[slot].all() else jnp.where(written[slot][:, None, None], parts[slot], 0.0)
-        total = part if total is None else total + part
-    return total.reshape(rows, m8)
-
-
 def combine(partials, sched: Schedule, tile_n: int, m: int) -> jax.Array:
     """Sum the written slots: [P, T·tile_n, M8] -> y [M, T·tile_n] f32 (one XLA fusion)."""
-    return combine_rows(partials, sched, tile_n)[:, :m].T
-
-
-def combine_swiglu(partials, sched: Schedule, tile_n: int, m: int, f: int) -> jax.Array:
-    """silu(g) · u [M, F] f32 of the partials of gate and up (F rows each, gate's first), in one XLA fusion at
-    any M: the product is taken on the rows before they are transposed, so g and u are not written out first."""
-    rows = combine_rows(partials, sched, tile_n)  # [2F, M8]
-    return (jax.nn.silu(rows[:f]) * rows[f : 2 * f])[:, :m].T
+    p, rows, m8 = partials.shape
+    parts = partials.reshape(p, sched.tile_count, tile_n, m8)
+    written = jnp.asarray(sched.written())[:, :, None, None]  # [P, T, 1, 1]
+    y = jnp.where(written, parts, 0.0).sum(axis=0).reshape(rows, m8)  # [T·tile_n, M8]
+    return y[:, :m].T
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))

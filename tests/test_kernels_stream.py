@@ -57,22 +57,6 @@ def test_schedule_by_hand():
     assert s.written().all()
 
 
-def test_combine_adds_exactly_the_written_slots_by_hand():
-    """The combine sums each tile's written slots and nothing else (unwritten ones hold NaN here), then transposes;
-    combine_swiglu takes silu(g) · u of the first and second halves of the rows. Against numpy on the same slots."""
-    s = fs.schedule(512, (192, 64, 128), SMALL, 5)  # the by-hand schedule's 6 tiles: slot 1 of tiles 0, 4, 5 unwritten
-    rng = np.random.default_rng(0)
-    parts = rng.normal(size=(s.slots, s.tile_count * 64, 8)).astype(np.float32)
-    written = np.repeat(s.written(), 64, axis=1)  # [P, rows]
-    parts[~written] = np.nan
-    want = np.where(written[:, :, None], parts, 0.0).sum(axis=0)  # [rows, M8]
-    np.testing.assert_allclose(np.asarray(fs.combine_rows(jnp.asarray(parts), s, 64)), want, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(fs.combine(jnp.asarray(parts), s, 64, 3)), want[:, :3].T, rtol=1e-6)
-    g, u = want[:192, :3].T, want[192:, :3].T
-    got = np.asarray(fs.combine_swiglu(jnp.asarray(parts), s, 64, 3, 192))
-    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
-
-
 def test_which_m_read_x_unpadded():
     # H200: M = 19, 39 and 63 failed to lower unpadded ("dimension 0 must have size smaller or a multiple
     # of its tiling 8"); M = 1..8, 16, 24, 32, 64 ran and matched (benchmarks/stream_gemm_gpu.py every_m)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -173,21 +174,20 @@ def _kernel_swiglu_quantized(x, weights, impl, blocks, interpret):
     *lead, d = x.shape
     m = int(np.prod(lead, dtype=int))
     group = d // weights[0][1].stack.shape[1]
-    f = weights[0][0].stack.shape[1]  # codes [L, F, D]
     try:
-        partials, sched = quant_gemm_stream.quant_stream_partials(
+        g, u = quant_gemm_stream.quant_gemm_multi(
             x.reshape(m, d),
             stream_arrays(weights),
             weights[0][0].index,
             group=group,
-            cfg=blocks,
+            out_dtype=jnp.float32,
+            block_sizes=blocks,
             permuted_codes=codes_permuted(weights),
             interpret=interpret,
-        )
+        )  # [M, F] each
     except quant_gemm.UntiledShape:
         return None
-    h = flat_gemm_stream.combine_swiglu(partials, sched, partials.shape[1] // sched.tile_count, m, f)  # [M, F]
-    return [h.astype(x.dtype).reshape(*lead, f)]
+    return [(jax.nn.silu(g) * u).astype(x.dtype).reshape(*lead, g.shape[-1])]
 
 
 def kernel_mlp(
@@ -275,12 +275,15 @@ def kernel_swiglu(
         if impl not in ("mosaic", "stream", "triton"):  # the gemv path has no SwiGLU form
             return None
     if impl == "stream":
-        cfg = _stream_blocks(block_sizes, pdl)
-        partials, sched = flat_gemm_stream.stream_partials(
-            x.reshape(m, d), (w_gate.stack, w_up.stack), w_gate.index, cfg, interpret
-        )
-        h = flat_gemm_stream.combine_swiglu(partials, sched, cfg.tile_n, m, f)  # [M, F]
-        return [h.astype(x.dtype).reshape(*lead, f)]
+        g, u = flat_gemm_stream.flat_gemm_multi(
+            x.reshape(m, d),
+            (w_gate.stack, w_up.stack),
+            w_gate.index,
+            out_dtype=jnp.float32,
+            block_sizes=_stream_blocks(block_sizes, pdl),
+            interpret=interpret,
+        )  # [M, F] each
+        return [(jax.nn.silu(g) * u).astype(x.dtype).reshape(*lead, f)]
     y = flat_gemm.flat_gemm_swiglu(
         x.reshape(m, d), w_gate.stack, w_up.stack, w_gate.index, impl=impl, block_sizes=block_sizes, interpret=interpret
     )
