@@ -464,8 +464,8 @@ def test_combine_splits_against_the_jnp_combine(backend):
 
 def test_splits_are_the_fewest_that_reach_192_programs_within_one_wave_and_32_splits():
     splits = lambda b, k, s, **kw: split_layout(b, k, s, da.BlockSizes(**kw))[0]  # noqa: E731
-    # 1k context (1152 rows = 18 blocks of 64), 8 kv heads: batch 1 (8 pairs) reaches 192 programs with no
-    # divisor of 18, so it takes every block; batch 8 (64 pairs) needs 3 splits, 16 needs 2, 32 needs 1
+    # 1k context (1152 rows = 18 blocks of 64), 8 kv heads: batch 1 (8 pairs) would need 24 splits, which no
+    # divisor of 18 gives, so it takes the most, a split a block; batch 8 (64 pairs) needs 3, 16 needs 2, 32 needs 1
     assert [splits(b, 8, 1152) for b in (1, 8, 16, 32)] == [18, 3, 2, 1]
     # 4k (66 blocks = 2 x 3 x 11): 24 splits wanted at batch 1, 33 the next divisor, past the 32-split cap: the
     # largest within it; 8k (130 = 2 x 5 x 13): 26 reaches 24; batch 8 at 4k: 3
@@ -474,8 +474,8 @@ def test_splits_are_the_fewest_that_reach_192_programs_within_one_wave_and_32_sp
     # one wave: 4 kv heads at batch 64 (256 pairs) reach 192 with one split; 660 // 256 = 2 caps a larger target
     assert splits(64, 4, 1152) == 1 and splits(64, 4, 1152, target_programs=768) == 2
     # without the one-wave and 32-split caps, at a larger target
-    old = dict(target_programs=264, max_programs=None, max_splits=None)
-    assert [splits(1, 8, 4224, **old), splits(8, 8, 1152, **old)] == [33, 6]
+    uncapped = dict(target_programs=264, max_programs=None, max_splits=None)
+    assert [splits(1, 8, 4224, **uncapped), splits(8, 8, 1152, **uncapped)] == [33, 6]
     assert splits(1, 8, 1152, num_splits=4) == 4
 
 
