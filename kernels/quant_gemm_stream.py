@@ -157,8 +157,12 @@ class _Layout:
     feed: str  # int4 codes: "biased", "relabel", "shuffle" (x permuted to match); int8: "int8"; either: "s8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     m8: int  # x's rows padded to 8
-    in_flight: int = 0  # units issued ahead of the last landed one (0: `stages`)
+    in_flight_asked: int | None = None  # `QuantStreamBlocks.in_flight` once resolved (None: no bound)
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
+
+    @property
+    def in_flight(self) -> int:  # units whose copies are issued and not yet landed, at most: the ring's stages or fewer
+        return self.stages if self.in_flight_asked is None else min(self.in_flight_asked, self.stages)
 
     @property
     def trace_regions(self) -> int:  # regions a warpgroup enters in one call, at most: two per unit and a few
@@ -265,7 +269,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 
     @pl.when(wg == wgs)
     def _memory():
-        ahead = lay.in_flight or lay.stages  # units issued and not yet landed, at most
+        ahead = lay.in_flight
         with jax.named_scope("issue_first"):
             flat_gemm_stream.pdl_prologue(ahead, issue_weights, issue_x, nsteps, pdl=lay.pdl)  # the first units
 
@@ -544,7 +548,18 @@ def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[in
     bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
     arrays = 2 if offsets0 is None else 3
     lay = _Layout(
-        sched, cfg.tile_n, cfg.tile_k, group, cfg.stages, cfg.compute_wgs, arrays, cfg.scale_in, feed, bias, m8
+        sched,
+        cfg.tile_n,
+        cfg.tile_k,
+        group,
+        cfg.stages,
+        cfg.compute_wgs,
+        arrays,
+        cfg.scale_in,
+        feed,
+        bias,
+        m8,
+        in_flight_asked=cfg.in_flight,
     )
     group_rows = lay.group_rows
     stage_bytes = cfg.tile_k * cfg.tile_n * bits // 8
@@ -598,9 +613,7 @@ def quant_stream_partials(
     fit, lay = _plan(cfg, x, weights, group, ctas)
     if fit < 2:
         raise UntiledShape(f"two pipeline stages do not fit in smem_bytes={cfg.smem_bytes} at M={m}, K={k}")
-    stages = max(2, min(cfg.stages, fit))
-    in_flight = 0 if cfg.in_flight is None or cfg.in_flight >= stages else cfg.in_flight
-    lay = dataclasses.replace(lay, stages=stages, in_flight=in_flight, pdl=cfg.pdl and not interpret)
+    lay = dataclasses.replace(lay, stages=max(2, min(cfg.stages, fit)), pdl=cfg.pdl and not interpret)
     sched, feed, stages, rows = lay.sched, lay.feed, lay.stages, cfg.tile_n // cfg.compute_wgs
     s8 = feed == "s8"
     if permuted_codes and (feed == "int8" or group % 32):
