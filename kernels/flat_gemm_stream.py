@@ -7,10 +7,15 @@ and each CTA fills and drains its own short pipeline. Here the work is laid out 
 (weight tile n, k-step), tile-major over all the weights of the call (q, k and v; gate and up; or
 one weight), and each of C CTAs (C = the SM count) takes one contiguous, equal run of units. A CTA
 streams its run through one TMA pipeline that never restarts; where its run crosses the end of a
-tile it writes the tile's partial sum [tile_n, M8] to one of P slots and starts the next tile
-(Stream-K, Osama et al. 2023). A tile is covered by at most P consecutive CTAs; the slot of CTA c in
-tile t is c - first_cta(t). Which (slot, tile) pairs are written is static, so the combine is one
-XLA fusion: sum the written slots, split the weights apart, apply the epilogue.
+tile it writes the tile's partial sum to one of P slots and starts the next tile (Stream-K, Osama et
+al. 2023). A tile is covered by at most P consecutive CTAs; the slot of CTA c in tile t is
+c - first_cta(t). Which (slot, tile) pairs are written is static, so the combine is one XLA fusion: sum
+the written slots, split the weights apart, apply the epilogue.
+
+The partials are batch-major, [P, M, N] (`partial_rows`: M, or M8 where x is padded): the accumulator
+yᵀ [tile_n, M8] is stored through a transposed view, so a consumer reads each sequence's row whole
+and contiguous, no transpose follows, and at M < 8 only M rows leave the kernel (TMA drops the rows
+past the array's end).
 
 As in `flat_gemm`, the operands are swapped for wgmma: yᵀ[tile_n, M8] += W[l]ᵀ[tile_n, tile_k] ·
 xᵀ[tile_k, M8], so weight rows fill the 64-row side and the batch (M8 = M rounded up to 8) is the
@@ -47,7 +52,7 @@ class StreamBlocks:
     pdl: bool = False
 
     def max_stages(self, m8: int, itemsize: int = 2) -> int:
-        """The most pipeline stages whose x and weight tiles fit beside the [2, tile_n, M8] f32 flush buffer."""
+        """The most pipeline stages whose x and weight tiles fit beside the [2, M8, tile_n] f32 flush buffer."""
         per_stage = self.tile_k * (m8 + self.tile_n) * itemsize
         return (self.smem_bytes - 2 * self.tile_n * m8 * 4) // per_stage
 
@@ -124,7 +129,7 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    *w_gmems, o_gmem = refs  # weights [L, K, N_i]; out [P, T·tile_n, M8] f32
+    *w_gmems, o_gmem = refs  # weights [L, K, N_i]; out [P, M or M8, T·tile_n] f32
     m8 = -(-x_gmem.shape[0] // 8) * 8  # x [M, K] (M <= 8 or a multiple of 8) or padded to [M8, K]
     ks, per_cta, units = sched.ks, sched.units_per_cta, sched.units
     starts = np.cumsum((0,) + sched.tiles)  # first tile of each weight
@@ -184,10 +189,10 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
             part = pl.run_scoped(run, plgpu.ACC((tile_n, m8), jnp.float32))  # [tile_n, M8]
             buf = lax.rem(g, 2)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
-            out_smem[buf] = part
+            store_transposed(out_smem.at[buf], part)
             plgpu.commit_smem()
             p = c - lax.div(t * ks, per_cta)  # this CTA's slot in tile t
-            plgpu.copy_smem_to_gmem(out_smem.at[buf], o_gmem.at[p, pl.ds(t * tile_n, tile_n)])
+            plgpu.copy_smem_to_gmem(out_smem.at[buf], o_gmem.at[p, pl.ds(0, m8), pl.ds(t * tile_n, tile_n)])
             return j_end
 
         segments = lax.div(u1 - 1, ks) - t_first + 1
@@ -199,13 +204,14 @@ def _stream_kernel(layer_gmem, x_gmem, *refs, sched: Schedule, tile_n: int, tile
         scoped,
         plgpu.SMEM((stages, m8, tile_k), dtype),
         plgpu.SMEM((stages, tile_k, tile_n), dtype),
-        plgpu.SMEM((2, tile_n, m8), jnp.float32),
+        plgpu.SMEM((2, m8, tile_n), jnp.float32),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     )
 
 
 def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
-    """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are."""
+    """(partials [P, partial_rows(M), T·tile_n] f32, schedule): the kernel's raw output, unwritten slots as
+    they are."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
@@ -231,7 +237,7 @@ def stream_partials(x, ws, layer, cfg: StreamBlocks, interpret: bool):
     )
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((sched.slots, partial_rows(m), sched.tile_count * cfg.tile_n), jnp.float32),
         grid=(sched.ctas,),
         grid_names=("c",),
         # The interpreter's GMEM starts as NaN, so a slot the schedule calls written but the kernel
@@ -248,13 +254,36 @@ def tma_reads_unpadded(m: int) -> bool:
     return m <= 8 or m % 8 == 0
 
 
+def partial_rows(m: int) -> int:
+    """Rows of the partials for x [M, K]: M where the kernel reads x unpadded (its stores past M are
+    dropped), else M8, the padded x's rows."""
+    return m if tma_reads_unpadded(m) else -(-m // 8) * 8
+
+
+def store_transposed(ref, part) -> None:
+    """part [rows, M8] (wgmma's accumulator layout) into SMEM ref [M8, rows], the partials' batch-major order."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ref.T[...] = plgpu.layout_cast(part, plgpu.Layout.WGMMA_TRANSPOSED)
+
+
 def combine(partials, sched: Schedule, tile_n: int, m: int) -> jax.Array:
-    """Sum the written slots: [P, T·tile_n, M8] -> y [M, T·tile_n] f32 (one XLA fusion)."""
-    p, rows, m8 = partials.shape
-    parts = partials.reshape(p, sched.tile_count, tile_n, m8)
-    written = jnp.asarray(sched.written())[:, :, None, None]  # [P, T, 1, 1]
-    y = jnp.where(written, parts, 0.0).sum(axis=0).reshape(rows, m8)  # [T·tile_n, M8]
-    return y[:, :m].T
+    """Sum the written slots: [P, M or M8, T·tile_n] -> y [M, T·tile_n] f32 (one XLA fusion)."""
+    return sum_written(partials, sched.written(), tile_n, m)
+
+
+def sum_written(partials, written, tile_n: int, m: int) -> jax.Array:
+    """partials [P, >= M, T·tile_n] f32, written [P, T] (host bools) -> the written slots' sum [M, T·tile_n],
+    added in slot order as the kernels that read partials add them (`kernels.qkv_rope`), so every path
+    rounds alike; unwritten slots (NaN included) never enter."""
+    written = np.asarray(written, bool)
+    slots, _, columns = partials.shape
+    total = None
+    for p in range(slots):
+        mask = jnp.asarray(np.repeat(written[p], tile_n))  # [T·tile_n]
+        term = jnp.where(mask, partials[p, :m], 0.0)
+        total = term if total is None else total + term
+    return total
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))

@@ -12,8 +12,8 @@ On an H200 (Llama-3.1-8B decode) it takes about a third of the time of XLA's thr
 layer (see docs/log/). A first version with one program per kv head, its heads one after another,
 gained nothing end to end.
 
-Inputs, as `kernels.flat_gemm_stream.stream_partials` leaves them: partials [P, (N + 2K)·H, M8] f32
-(P slots of tile_n-column tiles, column m the m-th sequence) and which (slot, tile) pairs hold a
+Inputs, as `kernels.flat_gemm_stream.stream_partials` leaves them: partials [P, M, (N + 2K)·H] f32
+(P slots of tile_n-column tiles, row m the m-th sequence; M may be padded to M8) and which (slot, tile) pairs hold a
 partial sum, `written` [P, T]; unwritten slots hold anything (NaN included) and are never added.
 Values follow the model (`jaxdecode.model.qkv_attend`) in order of operations: the slots are summed
 in f32 and rounded to the cache's dtype (the GEMM's output); the bias is added and rounded; q and
@@ -29,8 +29,8 @@ Backends (`impl`):
 - "mosaic": Mosaic GPU (`plgpu.kernel`, Hopper), one warpgroup per (kv head, role, chunk of 8
   sequences). Its registers hold arrays of whole 128-thread rounds, which a head row is not always
   (SmolLM2: H = 64, and 192 elements for its 3 kv heads), so a program works on [8, H/2] arrays: 8
-  sequences are one 32-byte row of a partial tile. TMA brings the written slots' tiles [H/2, 8] f32,
-  the cos and sin rows and the bias into shared memory; the tiles are read through a transposed view;
+  sequences are one 32-byte column of a partial tile. TMA brings the written slots' tiles [8, H/2] f32
+  (rows past M filled with zeros), the cos and sin rows and the bias into shared memory;
   the results are staged as rows in shared memory and leave by TMA, one copy per row. A TMA copy
   takes the cache position as a scalar index, writes a row of any length and is issued by one thread,
   where plain stores would need whole rounds of the warpgroup. The stacks go in as refs
@@ -51,6 +51,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
+from kernels import flat_gemm_stream
+
 
 def fits(heads: int, kv_heads: int, head_dim: int, tile_n: int, rows: int, *, impl: str = "triton") -> bool:
     """Whether the kernel takes this shape: half a head inside one GEMM tile (so one `written` flag
@@ -70,7 +72,7 @@ def _kernel(layer_ref, pos_ref, *refs, heads: int, kv_heads: int, tile_n: int, b
     """One (sequence b, kv head h, role r) program: r < G rotates query head h·G + r into row r of q;
     r = G rotates the key head and writes it into the k stack, and zeroes q's rows G..R-1; r = G + 1
     writes the value head into the v stack. refs: written_ref [P, T] int32 (when `table`; without it every
-    slot is written), part_ref [P, C, M8] f32, cos_ref, sin_ref [B, H] f32, (bias stacks [L, N·H], [L, K·H],
+    slot is written), part_ref [P, M, C] f32, cos_ref, sin_ref [B, H] f32, (bias stacks [L, N·H], [L, K·H],
     [L, K·H] when biased), the two input stacks (aliased, unread), then q_ref [R, H] (this kv head's
     rows), k_ref, v_ref [L, B, S, K, H].
     A program makes two loads per slot and at most two stores, after all its loads."""
@@ -91,7 +93,7 @@ def _kernel(layer_ref, pos_ref, *refs, heads: int, kv_heads: int, tile_n: int, b
         tile = column // tile_n
         total = jnp.zeros((half,), jnp.float32)
         for p in range(slots):
-            part = part_ref[p, pl.ds(column, half), b]
+            part = part_ref[p, b, pl.ds(column, half)]
             total = total + (part if written_ref is None else jnp.where(written_ref[p, tile] != 0, part, 0.0))
         y = total.astype(dtype)
         if bias_ref is not None:
@@ -135,7 +137,7 @@ def _kernel(layer_ref, pos_ref, *refs, heads: int, kv_heads: int, tile_n: int, b
         )
 
 
-CHUNK = 8  # sequences per Mosaic GPU program: one 32-byte row of a partial tile (8 f32)
+CHUNK = 8  # sequences per Mosaic GPU program: the rows of one partial tile, 8 f32 of each column
 
 
 def _mosaic_body(
@@ -145,7 +147,7 @@ def _mosaic_body(
     layer_gmem,  # [1] int32
     pos_gmem,  # [B] int32
     written_gmem,  # [P, T] int32, or None: every slot written
-    part_gmem,  # [P, C, M8] f32
+    part_gmem,  # [P, M, C] f32
     cos_gmem,  # [B, H] f32
     sin_gmem,  # [B, H] f32
     bias_gmems,  # () or ([L, N·H], [L, K·H], [L, K·H])
@@ -158,11 +160,10 @@ def _mosaic_body(
     tile_n: int,
 ):
     """One head (role) of CHUNK sequences, as a function of refs (a phase of a larger kernel could call it
-    with its own indices and scratch). TMA brings the head's partial tiles [H/2, CHUNK] f32 (the written
+    with its own indices and scratch). TMA brings the head's partial tiles [CHUNK, H/2] f32 (the written
     slots only), the sequences' cos, sin rows [CHUNK, H] and the bias (one row copy per sequence: the
     registers' strided layout has no broadcast over a leading dimension of fewer than 128 elements) into
-    SMEM. Registers hold [CHUNK, H/2] arrays, one element per thread and register (the partial tiles read
-    through a transposed view); the results are staged as rows [CHUNK, H] in SMEM and leave as one TMA
+    SMEM. Registers hold [CHUNK, H/2] arrays, one element per thread and register; the results are staged as rows [CHUNK, H] in SMEM and leave as one TMA
     copy per row, the cache rows at their data-dependent positions."""
     parts_smem, rope_smem, bias_smem, out_smem, zeros_smem, part_bars, rope_bar, bias_bar = scratch
     slots = part_gmem.shape[0]
@@ -188,7 +189,7 @@ def _mosaic_body(
         for j in range(2):
             if written_gmem is not None:
                 flags[p][j] = written_gmem[p, lax.div(col + j * half, tile_n)] != 0
-            src = part_gmem.at[p, pl.ds(col + j * half, half), pl.ds(b0, CHUNK)]
+            src = part_gmem.at[p, pl.ds(b0, CHUNK), pl.ds(col + j * half, half)]  # rows past M: zeros
             dst = parts_smem.at[p, j]
             if_written(flags[p][j], functools.partial(plgpu.copy_gmem_to_smem, src, dst, part_bars.at[2 * p + j]))
     for i, table in enumerate((cos_gmem, sin_gmem)):  # rows past B: TMA fills them with zeros
@@ -219,7 +220,7 @@ def _mosaic_body(
         (rounded again), as f32."""
         total = jnp.zeros((CHUNK, half), jnp.float32)
         for p in range(slots):
-            part = load(parts_smem.at[p, j].T)  # [CHUNK, H/2] of the [H/2, CHUNK] tile
+            part = load(parts_smem.at[p, j])  # [CHUNK, H/2]
             total = total + (part if flags[p][j] is None else jnp.where(flags[p][j], part, 0.0))
         y = total.astype(dtype)
         if bias_gmems:
@@ -277,7 +278,7 @@ def _mosaic_call(inputs, biases, k_stack, v_stack, q_shape, *, heads, tile_n, in
     the kernel writes their rows, and discharging the refs aliases each stack to an output of the call, as
     pallas_call's input_output_aliases does (plgpu.kernel takes no aliases argument in jax 0.11)."""
     layer, positions, written, partials, cos, sin = inputs
-    slots, _, m8 = partials.shape
+    slots, m_rows, _ = partials.shape
     batch, kv_heads, rows, head_dim = q_shape.shape
     group = heads // kv_heads
     dtype = k_stack.dtype
@@ -321,7 +322,7 @@ def _mosaic_call(inputs, biases, k_stack, v_stack, q_shape, *, heads, tile_n, in
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((slots, 2, head_dim // 2, CHUNK), jnp.float32),  # partial tiles
+            plgpu.SMEM((slots, 2, CHUNK, head_dim // 2), jnp.float32),  # partial tiles
             plgpu.SMEM((2, CHUNK, head_dim), jnp.float32),  # cos, sin
             plgpu.SMEM((CHUNK, padded(bias_dtype)), bias_dtype),  # the bias row, once per sequence
             plgpu.SMEM((CHUNK, padded(dtype)), dtype),  # the rows out
@@ -340,7 +341,7 @@ def _mosaic_call(inputs, biases, k_stack, v_stack, q_shape, *, heads, tile_n, in
     q = plgpu.kernel(
         kernel,
         out_type=() if poison else q_shape,
-        grid=(kv_heads, group + 2, m8 // CHUNK),
+        grid=(kv_heads, group + 2, -(-m_rows // CHUNK)),
         grid_names=("h", "r", "c"),
         # Lane semantics: the arrays' layouts are the explicit strided ones above, not inferred.
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -372,16 +373,16 @@ def _qkv_rope_write(
     poison,
 ):
     written = np.asarray(written, bool).reshape(len(written), -1)
-    slots, columns, m8 = partials.shape
+    slots, m_rows, columns = partials.shape
     _, batch, _, kv_heads, head_dim = k_stack.shape
     if k_stack.shape != v_stack.shape or k_stack.dtype != v_stack.dtype:
         raise ValueError(
             f"the k and v stacks must match, got {k_stack.dtype}{list(k_stack.shape)} and "
             f"{v_stack.dtype}{list(v_stack.shape)}"
         )
-    if columns != (heads + 2 * kv_heads) * head_dim or m8 < batch or columns % tile_n:
+    if columns != (heads + 2 * kv_heads) * head_dim or m_rows < batch or columns % tile_n:
         raise ValueError(
-            f"partials [P, (heads + 2K)·H, M8 >= B] = [*, {(heads + 2 * kv_heads) * head_dim}, >= {batch}] "
+            f"partials [P, M >= B, (heads + 2K)·H] = [*, >= {batch}, {(heads + 2 * kv_heads) * head_dim}] "
             f"in tiles of {tile_n}, got {list(partials.shape)}"
         )
     if written.shape != (slots, columns // tile_n):
@@ -393,8 +394,6 @@ def _qkv_rope_write(
         )
     if impl not in ("triton", "mosaic"):
         raise ValueError(f"impl must be 'triton' or 'mosaic', got {impl!r}")
-    if impl == "mosaic" and m8 % CHUNK:
-        raise ValueError(f"the mosaic kernel reads the partials' M8 in chunks of {CHUNK}, got M8 = {m8}")
     if not fits(heads, kv_heads, head_dim, tile_n, rows, impl=impl):
         raise ValueError(
             f"qkv_rope_write takes half heads inside one tile of {tile_n} columns, a half head of a power "
@@ -468,7 +467,7 @@ def qkv_rope_write(
 ):
     """(q_rows [B, K, rows, H], k_stack, v_stack): see the module docstring.
 
-    partials [P, (heads + 2K)·H, M8] f32 (column b: sequence b; M8 >= B); written [P, T] (a host array
+    partials [P, M, (heads + 2K)·H] f32 (row b: sequence b; M >= B); written [P, T] (a host array
     of bools, T = columns / tile_n: a static property of the GEMM's schedule); cos, sin [B, H] f32 (the
     token's angles, halves repeated); positions [B] int32; k_stack, v_stack [L, B, S, K, H] (updated in
     place); layer an int32 scalar; biases () or the three stacks [L, heads·H], [L, K·H], [L, K·H].
@@ -518,8 +517,7 @@ def qkv_rope_write_reference(
     `dynamic_update_slice` per sequence, and q laid out as rows (`kernels.decode_attention.layout.to_rows`)."""
     _, batch, _, kv_heads, head_dim = k_stack.shape
     dtype = k_stack.dtype
-    mask = jnp.repeat(jnp.asarray(written, bool), tile_n, axis=1)[:, :, None]  # [P, C, 1]
-    y = jnp.where(mask, partials, 0.0).sum(axis=0)[:, :batch].T.astype(dtype)  # [B, C]
+    y = flat_gemm_stream.sum_written(partials, written, tile_n, batch).astype(dtype)  # [B, C]
     if biases:
         y = y + jnp.concatenate([b[layer] for b in biases])
     q, k, v = jnp.split(y, [heads * head_dim, (heads + kv_heads) * head_dim], axis=1)

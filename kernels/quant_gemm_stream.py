@@ -5,7 +5,7 @@ offsets [L, K/G, N]; w = scales · codes + offsets) and the work is `kernels.fla
 units (tile t of tile_n weight rows, k-step) laid out tile-major over all the weights of one call
 (q, k and v; gate and up; or one weight), each of C CTAs (C = the SM count) taking one contiguous,
 equal run of units through one pipeline that never restarts, and writing a tile's partial sum
-[tile_n, M8] f32 to one of P slots where its run crosses the tile's end. The schedule and the
+(batch-major, [M, tile_n] f32) to one of P slots where its run crosses the tile's end. The schedule and the
 partials are `flat_gemm_stream`'s (`Schedule`, `combine`), so `kernels.qkv_rope`'s epilogue takes
 the quantized q·k·v partials as it takes the bf16 ones.
 
@@ -464,10 +464,11 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             with jax.named_scope("flush"):
                 buf = lax.rem(g, 2)
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the flush two tiles back has left buf
-                out_smem.at[wg, buf][...] = part
+                flat_gemm_stream.store_transposed(out_smem.at[wg, buf], part)
                 plgpu.commit_smem()
                 p = c - lax.div(t * ks, per_cta)  # this CTA's slot in tile t
-                plgpu.copy_smem_to_gmem(out_smem.at[wg, buf], o_gmem.at[p, pl.ds(t * tile_n + r0, rows)])
+                dst = o_gmem.at[p, pl.ds(0, m8), pl.ds(t * tile_n + r0, rows)]  # rows past M: dropped
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, buf], dst)
             return j_end
 
         segments = lax.div(u1 - 1, ks) - t_first + 1
@@ -595,7 +596,8 @@ def resolve_blocks(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | N
 def quant_stream_partials(
     x, weights, layer, *, group: int, cfg: QuantStreamBlocks, permuted_codes: bool = False, interpret: bool = False
 ):
-    """(partials [P, T·tile_n, M8] f32, schedule): the kernel's raw output, unwritten slots as they are.
+    """(partials [P, M or M8, T·tile_n] f32, schedule): the kernel's raw output, batch-major as
+    `flat_gemm_stream.partial_rows` says, unwritten slots as they are.
     x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None).
     permuted_codes: the codes' columns are in `permute_k` order (int4 codes in whole 32-column groups,
     as `jaxdecode.quantized` stores them), so the relabelling feed takes x as it is."""
@@ -628,7 +630,7 @@ def quant_stream_partials(
             (stages, cfg.tile_n, cfg.tile_k), codes0.dtype, transforms=smem_transforms(load_width(gw, bits), bits)
         ),
         *(plgpu.SMEM((stages, group_rows, cfg.tile_n), a.dtype) for a in groupwise),
-        plgpu.SMEM((cfg.compute_wgs, 2, rows, m8), jnp.float32),  # each compute warpgroup's flushes
+        plgpu.SMEM((cfg.compute_wgs, 2, m8, rows), jnp.float32),  # each compute warpgroup's flushes, batch-major
     )
     pipeline_barriers = (
         plgpu.Barrier(num_arrivals=(not s8) + arrays, num_barriers=stages),  # produced: (x and) the weight's arrays
@@ -652,7 +654,9 @@ def quant_stream_partials(
         scratch += (plgpu.SMEM((cfg.compute_wgs, rows, gw), jnp.int8 if s8 else x.dtype),)
     out = plgpu.kernel(
         functools.partial(_kernel, lay=lay, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((sched.slots, sched.tile_count * cfg.tile_n, m8), jnp.float32),
+        out_type=jax.ShapeDtypeStruct(
+            (sched.slots, flat_gemm_stream.partial_rows(m), sched.tile_count * cfg.tile_n), jnp.float32
+        ),
         scratch_types=scratch,
         grid=(sched.ctas,),
         grid_names=("c",),
@@ -708,7 +712,7 @@ def quant_gemm_multi(
     partials, sched = quant_stream_partials(
         x, weights, layer, group=group, cfg=block_sizes, permuted_codes=permuted_codes, interpret=interpret
     )
-    tile_n = partials.shape[1] // sched.tile_count
+    tile_n = partials.shape[2] // sched.tile_count
     y = flat_gemm_stream.combine(partials, sched, tile_n, x.shape[0])  # [M, ΣN] f32
     bounds = np.cumsum([w[0].shape[1] for w in weights])[:-1]
     return tuple(part.astype(out_dtype) for part in jnp.split(y, bounds, axis=1))

@@ -14,7 +14,7 @@ from jaxdecode.decode import Engine
 from jaxdecode.hooks import kernel_qkv_attend
 from jaxdecode.looping import StackedRef
 from kernels.decode_attention import BlockSizes as AttentionBlocks
-from kernels.flat_gemm_stream import StreamBlocks
+from kernels.flat_gemm_stream import StreamBlocks, partial_rows
 from tests.test_inplace_loop import (
     ATOL,
     RTOL,
@@ -38,15 +38,16 @@ TILE = 16  # divides the tiny configs' widths (48, 16) and holds half a head (4)
 @functools.partial(jax.jit, static_argnames="tile_n")
 def split_partials(x, stacks, layer, *, tile_n=TILE):
     """A stand-in for the Stream-K kernel's raw output (the CPU has no Mosaic GPU): slots 0 and 1 hold
-    x·W over the two halves of K (f32), slot 2 holds NaN and is never written. Returns [3, C, M8]."""
+    x·W over the two halves of K (f32), slot 2 holds NaN and is never written. Returns [3, M, C] (M8 rows
+    where the kernel pads x: `partial_rows`)."""
     m, k = x.shape
-    m8 = -(-m // 8) * 8
+    m_rows = partial_rows(m)
     w = jnp.concatenate([jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in stacks], axis=1).astype(
         jnp.float32
     )  # [K, C]
-    x32 = jnp.pad(x.astype(jnp.float32), ((0, m8 - m), (0, 0)))
-    halves = [x32[:, : k // 2] @ w[: k // 2], x32[:, k // 2 :] @ w[k // 2 :]]  # [M8, C] each
-    return jnp.stack([h.T for h in halves] + [jnp.full((w.shape[1], m8), jnp.nan)])
+    x32 = jnp.pad(x.astype(jnp.float32), ((0, m_rows - m), (0, 0)))
+    halves = [x32[:, : k // 2] @ w[: k // 2], x32[:, k // 2 :] @ w[k // 2 :]]  # [M, C] each
+    return jnp.stack(halves + [jnp.full((m_rows, w.shape[1]), jnp.nan)])
 
 
 def reference_partials(x, stacks, layer, tile=TILE):

@@ -13,7 +13,7 @@ import pytest
 
 from jaxdecode.model import apply_rope, rope_cos_sin
 from kernels.decode_attention.layout import to_rows
-from kernels.flat_gemm_stream import StreamBlocks, combine, schedule
+from kernels.flat_gemm_stream import StreamBlocks, combine, partial_rows, schedule
 from kernels.qkv_rope import fits, qkv_rope_write, qkv_rope_write_reference
 
 ON_GPU = jax.default_backend() == "gpu" and any(k in jax.devices()[0].device_kind for k in ("H100", "H200"))
@@ -63,11 +63,11 @@ def _inputs(batch, heads, kv_heads, head_dim, tile_n, layers, cache_len, seed=0,
     end (the write clamps to S - 1)."""
     rng = np.random.default_rng(seed)
     columns = (heads + 2 * kv_heads) * head_dim
-    m8 = -(-batch // 8) * 8
+    m_rows = partial_rows(batch)  # batch-major, as the Stream-K kernels write them
     written = rng.random((slots, columns // tile_n)) < 0.5
     written[0] = True
-    parts = rng.normal(0.0, 2.0, (slots, columns, m8)).astype(np.float32)
-    parts = np.where(np.repeat(written, tile_n, axis=1)[:, :, None], parts, np.nan)
+    parts = rng.normal(0.0, 2.0, (slots, m_rows, columns)).astype(np.float32)
+    parts = np.where(np.repeat(written, tile_n, axis=1)[:, None, :], parts, np.nan)
     positions = rng.integers(0, cache_len, batch).astype(np.int32)
     positions[-1] = cache_len + 5
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
@@ -91,7 +91,7 @@ def test_reference_is_the_models_math():
     cfg = StreamBlocks(tile_n=tile_n, tile_k=16)
     sched = schedule(64, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), cfg, ctas=5)
     parts = parts[: sched.slots]
-    parts = jnp.where(jnp.repeat(jnp.asarray(sched.written()), tile_n, axis=1)[:, :, None], parts, jnp.nan)
+    parts = jnp.where(jnp.repeat(jnp.asarray(sched.written()), tile_n, axis=1)[:, None, :], parts, jnp.nan)
     y = combine(parts, sched, tile_n, batch).astype(jnp.bfloat16)  # [B, C]
     y = y + jnp.concatenate([b[1] for b in biases])
     q, k, v = jnp.split(y, [heads * head_dim, (heads + kv_heads) * head_dim], axis=1)
@@ -136,7 +136,7 @@ def test_mosaic_lowers_for_hopper_on_any_host(name):
     cfg = StreamBlocks(tile_k=64 if d % 256 else 256)
     sched = schedule(d, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), cfg, ctas=132)
     sds = jax.ShapeDtypeStruct
-    parts = sds((sched.slots, (heads + 2 * kv_heads) * head_dim, -(-batch // 8) * 8), jnp.float32)
+    parts = sds((sched.slots, partial_rows(batch), (heads + 2 * kv_heads) * head_dim), jnp.float32)
     angles = sds((batch, head_dim), jnp.float32)
     stack = sds((4, batch, 256, kv_heads, head_dim), jnp.bfloat16)
     biases = tuple(sds((4, n * head_dim), jnp.bfloat16) for n in (heads, kv_heads, kv_heads)) if biased else ()
@@ -199,7 +199,14 @@ class TestQkvRopeWrite:
             # one bf16 step (2^-8 of its size, up to the largest |value|), and the rotation carries that
             # into outputs that may be smaller (cancellation); plus the output's own rounding.
             # (Interpreted on a GPU, the reference's XLA ops keep that excess precision too.)
-            exact = self.INTERPRET and jax.default_backend() == "cpu"
+            # The Pallas-Triton interpreter runs the body as XLA:CPU code, which may contract the rotation's
+            # multiply-add into one FMA (one rounding, not two): the f32 result moves by an ulp and its bf16
+            # rounding by at most one step, 2^-7 of the value (the reference runs op by op, unfused).
+            interpreted_here = self.INTERPRET and jax.default_backend() == "cpu"
+            exact = interpreted_here and impl == "mosaic"
+            if interpreted_here and not exact:
+                np.testing.assert_allclose(a, b, rtol=2.0**-7, atol=0, err_msg=name)
+                continue
             atol = 0 if exact else 2.0**-7 * np.abs(b).max()
             np.testing.assert_allclose(a, b, rtol=0 if exact else 2.0**-8, atol=atol, err_msg=name)
         # the rows of other layers and positions are untouched
@@ -244,13 +251,13 @@ class TestQkvRopeWrite:
         with pytest.raises(ValueError, match="biases"):
             call(biases=biases[:2])
         with pytest.raises(ValueError, match="half heads"):
-            call(tile_n=4, written=np.ones((3, parts.shape[1] // 4), bool))
+            call(tile_n=4, written=np.ones((3, parts.shape[2] // 4), bool))
         with pytest.raises(ValueError, match="half heads"):  # a half head of 8: [8, 8] arrays
             call(impl="mosaic")
         with pytest.raises(ValueError, match="impl"):
             call(impl="xla")
-        with pytest.raises(ValueError, match="chunks of 8"):
-            call(impl="mosaic", partials=parts[:, :, :4])
+        with pytest.raises(ValueError, match="M >= B"):  # fewer partial rows than sequences
+            call(partials=parts[:, :0])
 
 
 class TestQkvRopeWriteCompiled(TestQkvRopeWrite):

@@ -228,8 +228,9 @@ class TestQuantStreamInterpret(TestQuantStream):
         case = CASES["int4_g32_m5_qkv_offsets"]
         x, weights, layer = _inputs(case)
         parts, sched = qs.quant_stream_partials(x, weights, layer, group=case.g, cfg=BLOCKS, interpret=True)
+        assert parts.shape == (sched.slots, x.shape[0], sched.tile_count * BLOCKS.tile_n)  # batch-major, M rows
         written = np.repeat(sched.written(), BLOCKS.tile_n, axis=1)  # [P, T·tile_n]
-        assert np.isfinite(np.asarray(parts)[written]).all()
+        assert np.isfinite(np.asarray(parts).transpose(0, 2, 1)[written]).all()
         assert sched.slots > 1  # the grid has tiles shared by CTAs
 
 

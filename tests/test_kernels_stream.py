@@ -136,7 +136,8 @@ class TestStreamInterpret(TestStream):
         m, k, ns, cfg = CASES[name]
         x, ws = _inputs(m, k, ns)
         partials, sched = fs.stream_partials(x, ws, 0, cfg, interpret=True)  # GMEM starts as NaN
-        parts = np.asarray(partials).reshape(sched.slots, sched.tile_count, cfg.tile_n, -1)
+        assert partials.shape == (sched.slots, fs.partial_rows(m), sched.tile_count * cfg.tile_n)  # batch-major
+        parts = np.asarray(partials).reshape(sched.slots, -1, sched.tile_count, cfg.tile_n).transpose(0, 2, 1, 3)
         written = sched.written()
         assert not np.isnan(parts[written]).any()
         if not written.all():  # the unwritten slots really are left alone (still NaN)
