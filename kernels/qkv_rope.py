@@ -163,8 +163,9 @@ def _mosaic_body(
     with its own indices and scratch). TMA brings the head's partial tiles [CHUNK, H/2] f32 (the written
     slots only), the sequences' cos, sin rows [CHUNK, H] and the bias (one row copy per sequence: the
     registers' strided layout has no broadcast over a leading dimension of fewer than 128 elements) into
-    SMEM. Registers hold [CHUNK, H/2] arrays, one element per thread and register; the results are staged as rows [CHUNK, H] in SMEM and leave as one TMA
-    copy per row, the cache rows at their data-dependent positions."""
+    SMEM. Registers hold [CHUNK, H/2] arrays, one element per thread and register; the results are staged
+    as rows [CHUNK, H] in SMEM and leave as one TMA copy per row, the cache rows at their data-dependent
+    positions."""
     parts_smem, rope_smem, bias_smem, out_smem, zeros_smem, part_bars, rope_bar, bias_bar = scratch
     slots = part_gmem.shape[0]
     batch, cache_len, kv_heads, head_dim = k_gmem.shape[1:]
