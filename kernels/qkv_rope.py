@@ -29,7 +29,7 @@ Backends (`impl`):
 - "mosaic": Mosaic GPU (`plgpu.kernel`, Hopper), one warpgroup per (kv head, role, chunk of 8
   sequences). Its registers hold arrays of whole 128-thread rounds, which a head row is not always
   (SmolLM2: H = 64, and 192 elements for its 3 kv heads), so a program works on [8, H/2] arrays: 8
-  sequences are one 32-byte column of a partial tile. TMA brings the written slots' tiles [8, H/2] f32
+  sequences are the 8 rows of a partial tile. TMA brings the written slots' tiles [8, H/2] f32
   (rows past M filled with zeros), the cos and sin rows and the bias into shared memory;
   the results are staged as rows in shared memory and leave by TMA, one copy per row. A TMA copy
   takes the cache position as a scalar index, writes a row of any length and is issued by one thread,
