@@ -57,6 +57,20 @@ def test_schedule_by_hand():
     assert s.written().all()
 
 
+def test_sum_written_adds_the_written_slots_in_slot_order_by_hand():
+    """[P, M, T·tile_n] partials: unwritten slots (NaN) never enter, rows past M are dropped, and the slots
+    are added 0, 1, 2 in order: 2^24 + 1 + 1 rounds to 2^24 in f32 one step at a time (the kernels' order),
+    to 2^24 + 2 if the last two were added first."""
+    big = np.float32(2.0**24)
+    parts = np.full((3, 2, 4), np.nan, np.float32)  # 3 slots, M8 = 2 rows (M = 1), 2 tiles of 2 columns
+    parts[0] = [[big, big, 5.0, 6.0], [7.0, 7.0, 7.0, 7.0]]
+    parts[1, :, :2] = 1.0  # tile 0 only
+    parts[2, :, :2] = 1.0
+    written = np.array([[True, True], [True, False], [True, False]])  # [P, T]
+    got = np.asarray(fs.sum_written(jnp.asarray(parts), written, 2, 1))
+    np.testing.assert_array_equal(got, [[big, big, 5.0, 6.0]])
+
+
 def test_which_m_read_x_unpadded():
     # H200: M = 19, 39 and 63 failed to lower unpadded ("dimension 0 must have size smaller or a multiple
     # of its tiling 8"); M = 1..8, 16, 24, 32, 64 ran and matched (benchmarks/stream_gemm_gpu.py every_m)
