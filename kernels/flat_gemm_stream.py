@@ -277,9 +277,8 @@ def sum_written(partials, written, tile_n: int, m: int) -> jax.Array:
     added in slot order as the kernels that read partials add them (`kernels.qkv_rope`), so every path
     rounds alike; unwritten slots (NaN included) never enter."""
     written = np.asarray(written, bool)
-    slots, _, columns = partials.shape
     total = None
-    for p in range(slots):
+    for p in range(partials.shape[0]):
         mask = jnp.asarray(np.repeat(written[p], tile_n))  # [T·tile_n]
         term = jnp.where(mask, partials[p, :m], 0.0)
         total = term if total is None else total + term
