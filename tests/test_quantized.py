@@ -46,44 +46,75 @@ def _dense(qw: QuantizedWeight) -> np.ndarray:
     return codes.T * s + o
 
 
-def test_int8_quantizes_symmetrically_to_nearest_per_group():
+def _rounded(a: np.ndarray, dtype) -> np.ndarray:
+    """`a` rounded to `dtype` (ml_dtypes' rounding, independent of JAX's), back in float32."""
+    return a.astype(jnp.dtype(dtype)).astype(np.float32)
+
+
+def _assert_stored(got, want: np.ndarray, dtype) -> np.ndarray:
+    """A stored scale (offset) equals the by-hand value rounded to `dtype`: exactly for 16 bits, whose
+    rounding absorbs the f32 division's (XLA may divide by a reciprocal multiply), else within 4 f32
+    roundings. Returns the stored values, which the codes are chosen against."""
+    got = np.asarray(got, np.float32)
+    if jnp.dtype(dtype).itemsize == 2:
+        np.testing.assert_array_equal(got, _rounded(want, dtype))
+    else:
+        np.testing.assert_allclose(got, want, rtol=F32_EPS * 4, atol=F32_EPS * 8)
+    return got
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_int8_quantizes_symmetrically_to_nearest_per_group(scale_dtype):
     rng = np.random.default_rng(0)
     w = rng.normal(size=(64, 24)).astype(np.float32)  # [K, N], groups of 16 along K
-    qw = quantize(w, "int8", group=16)
+    qw = quantize(w, "int8", group=16, scale_dtype=scale_dtype)
     assert qw.codes.shape == (24, 64) and qw.scales.shape == (4, 24) and qw.offsets is None
-    assert qw.codes.dtype == jnp.int8
+    assert qw.codes.dtype == jnp.int8 and qw.scales.dtype == scale_dtype
     groups = w.reshape(4, 16, 24)
-    scale = np.abs(groups).max(axis=1) / 127  # [K/G, N], by hand
-    np.testing.assert_allclose(np.asarray(qw.scales), scale, rtol=F32_EPS * 4)
-    want = np.round(groups / scale[:, None, :]).reshape(64, 24)
+    scale = _assert_stored(qw.scales, np.abs(groups).max(axis=1) / np.float32(127), scale_dtype)  # [K/G, N]
+    want = np.clip(np.round(groups / scale[:, None, :]), -127, 127).reshape(64, 24)
     np.testing.assert_array_equal(np.asarray(qw.codes).astype(np.int32).T, want.astype(np.int32))
-    # round to nearest: every value within half a step of its group's scale
-    assert np.all(np.abs(_dense(qw) - w) <= np.repeat(scale, 16, axis=0) * (0.5 + 1e-6))
-    assert qw.nbytes == 24 * 64 + 4 * 24 * 4
+    # round to nearest: every value within half a step of its group's stored scale, plus what rounding the
+    # scale moves the grid's end (max|w| = 127·scale up to the scale's relative rounding, u)
+    u = jnp.finfo(scale_dtype).eps / 2
+    bound = np.repeat(scale, 16, axis=0) * (0.5 + 127 * u + 1e-6)
+    assert np.all(np.abs(_dense(qw) - w) <= bound)
+    assert qw.nbytes == 24 * 64 + 4 * 24 * jnp.dtype(scale_dtype).itemsize
 
 
-def test_int4_quantizes_min_to_max_over_16_levels_per_group():
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_int4_quantizes_min_to_max_over_16_levels_per_group(scale_dtype):
     rng = np.random.default_rng(1)
     w = (rng.normal(size=(64, 24)) + rng.normal(size=(1, 24))).astype(np.float32)  # skewed columns
-    qw = quantize(w, "int4", group=32)
+    qw = quantize(w, "int4", group=32, scale_dtype=scale_dtype)
     assert qw.codes.dtype == jnp.int4 and qw.scales.shape == qw.offsets.shape == (2, 24)
+    assert qw.scales.dtype == qw.offsets.dtype == scale_dtype
     groups = w.reshape(2, 32, 24)
     lo, hi = groups.min(axis=1), groups.max(axis=1)  # [K/G, N], by hand
-    scale = (hi - lo) / 15
-    np.testing.assert_allclose(np.asarray(qw.scales), scale, rtol=F32_EPS * 8)
-    np.testing.assert_allclose(np.asarray(qw.offsets), lo + 8 * scale, rtol=F32_EPS * 8, atol=F32_EPS * 8)
+    scale = _assert_stored(qw.scales, (hi - lo) / np.float32(15), scale_dtype)
+    offset = _assert_stored(qw.offsets, lo + 8 * scale, scale_dtype)
     codes = np.asarray(qw.natural_codes()).astype(np.int32).T.reshape(2, 32, 24)
-    assert codes.min() == -8 and codes.max() == 7  # both extremes of every group are on the grid
-    want = np.round((groups - lo[:, None]) / scale[:, None]) - 8
+    want = np.clip(np.round((groups - offset[:, None]) / scale[:, None]), -8, 7)
     np.testing.assert_array_equal(codes, want)
+    if scale_dtype == jnp.float32:
+        assert codes.min() == -8 and codes.max() == 7  # both extremes of every group are on the grid
     # stored in the kernels' order: column 32b + 8t + 2c + e holds the weight's column 32b + 8c + 2t + e
     b, r = np.divmod(np.arange(64), 32)
     t, c, e = r // 8, r % 8 // 2, r % 2
     stored = np.asarray(qw.codes).astype(np.int32)  # [N, K]
     np.testing.assert_array_equal(stored, want.reshape(64, 24).T[:, 32 * b + 8 * c + 2 * t + e])
-    step = np.repeat(scale, 32, axis=0)
-    assert np.all(np.abs(_dense(qw) - w) <= step * (0.5 + 1e-5))
-    assert qw.nbytes == 24 * 64 // 2 + 2 * 24 * 8
+    # within half a step of the stored grid, which rounding the scale and offset moves by at most
+    # u·(|offset| + 8·scale) at its ends, u the scale dtype's relative rounding
+    u = jnp.finfo(scale_dtype).eps / 2
+    shift = u * (np.abs(lo + 8 * scale) + 8 * scale) + 8 * u * scale
+    bound = np.repeat(scale * (0.5 + 1e-5) + shift, 32, axis=0)
+    assert np.all(np.abs(_dense(qw) - w) <= bound)
+    assert qw.nbytes == 24 * 64 // 2 + 2 * 24 * 2 * jnp.dtype(scale_dtype).itemsize
+
+
+def test_quantize_refuses_an_unknown_scale_dtype():
+    with pytest.raises(ValueError, match="scale dtype int8 is not one of float16, bfloat16, float32"):
+        quantize(np.ones((64, 8), np.float32), "int4", 32, scale_dtype=jnp.int8)
 
 
 def test_quantize_refuses_groups_that_do_not_divide_k():
@@ -150,7 +181,7 @@ def test_cost_and_preflight_count_quantized_bytes():
     int4 = decode_cost(cfg, batch=1, context=1024, itemsize=2, quantize="int4")
     projections = cfg.n_layers * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336) + 128256 * 4096
     assert dense.weight_bytes - int4.weight_bytes == 2 * projections - quantized_bytes(projections, "int4")
-    assert quantized_bytes(projections, "int4") == projections // 2 + projections // 128 * 8  # scale, offset
+    assert quantized_bytes(projections, "int4") == projections // 2 + projections // 128 * 4  # f16 scale, offset
     assert int4.kv_read_bytes == dense.kv_read_bytes
     est = estimate(get_preset("llama-3.1-70b"), itemsize=2, quantize="int4", looped=False, context=1024)
     assert 36e9 < est.weights < 44e9  # 70.6B parameters at 4.5 bits, the embedding table in bf16
