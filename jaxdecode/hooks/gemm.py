@@ -1,6 +1,6 @@
 """The in-place loop's GEMM hooks: dense and quantized `x @ W[i]` read in place from the stacks, the
 SwiGLU pair in one launch, q·k·v in one launch (`kernels.flat_gemm*`, `kernels.quant_gemm_stream`), a
-quantized MLP block in one launch (`kernels.quant_mlp`)."""
+quantized MLP block in one launch (`kernels.quant_mlp`, `kernels.quant_mlp_owned`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jax import lax
 
 from jaxdecode.looping import SplitSum, StackedRef, outside_runs
 from jaxdecode.quantized import in_kernel_order
-from kernels import dispatch, flat_gemm, flat_gemm_stream, quant_gemm, quant_gemm_stream, quant_mlp
+from kernels import dispatch, flat_gemm, flat_gemm_stream, quant_gemm, quant_gemm_stream, quant_mlp, quant_mlp_owned
 
 
 def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes, weights: int = 1) -> str | None:
@@ -197,20 +197,27 @@ def kernel_mlp(
     w_down,
     *quantized,
     impl: str | None = None,
+    design: str = "phases",
     block_sizes: quant_mlp.QuantMLPBlocks = quant_mlp.QuantMLPBlocks(),
+    owned_blocks: quant_mlp_owned.OwnedMLPBlocks = quant_mlp_owned.OwnedMLPBlocks(),
     interpret: bool = False,
 ):
-    """A `stacked_calls["mlp"]` hook, not in the default table (`hooks.OPTIONAL_CALLS`: right compiled on
-    an H200, but slower end to end than the two launches it replaces; docs/kernels.md): `model.mlp` of
-    quantized stacks as one `kernels.quant_mlp` launch
-    (gate and up, SwiGLU and down; down's weights stream while gate/up drains). The weights arrive as
-    their leaves (codes, scales(, offsets) each, `StackedRef`s). Returns [y [..., D]], or None (the call
-    then runs as written, through the `swiglu` and `quant_dot` hooks): dense weights, off Hopper or
-    activations that are not 16-bit (impl None), or what the kernel does not take (M > 8, widths that
-    are not whole tiles, mixed formats). impl "fused" (tests, with `interpret=True`) skips the device
+    """A `stacked_calls["mlp"]` hook, not in the default table (`hooks.OPTIONAL_CALLS`): `model.mlp` of
+    quantized stacks as one launch (gate and up, SwiGLU and down), of one of two designs:
+    - "phases": `kernels.quant_mlp`, Stream-K phases that meet through semaphores in HBM; down's weights
+      stream while gate/up drains. Right compiled on an H200, but slower end to end than the two launches it
+      replaces (docs/kernels.md);
+    - "owned": `kernels.quant_mlp_owned`, each CTA owning columns of h end to end, no CTA waiting on another
+      (int4 codes stored in the kernels' order, or int8; groups of 128).
+    The weights arrive as their leaves (codes, scales(, offsets) each, `StackedRef`s). Returns [y [..., D]],
+    or None (the call then runs as written, through the `swiglu` and `quant_dot` hooks): dense weights, off
+    Hopper or activations that are not 16-bit (impl None), or what the kernel does not take (M > 8, widths
+    that are not whole tiles, mixed formats). impl "fused" (tests, with `interpret=True`) skips the device
     and dtype checks."""
     if not quantized or impl not in (None, "fused"):
         return None
+    if design not in ("phases", "owned"):
+        raise ValueError(f"kernel_mlp design must be 'phases' or 'owned', got {design!r}")
     weights = quantized_weights((w_gate, w_up, w_down, *quantized), 3)
     if weights is None or (impl is None and not on_hopper_16bit(x)):
         return None
@@ -219,6 +226,19 @@ def kernel_mlp(
     group = d // weights[0][1].stack.shape[1]
     if weights[2][0].stack.shape[-1] // weights[2][1].stack.shape[1] != group:
         return None  # down's group size differs from gate's and up's
+    if design == "owned":  # int4 codes in groups of 128 are always stored in the kernels' order
+        try:
+            y = quant_mlp_owned.quant_mlp_owned(
+                x.reshape(m, d),
+                *stream_arrays(weights),
+                weights[0][0].index,
+                group=group,
+                block_sizes=owned_blocks,
+                interpret=interpret,
+            )  # [M, D] f32
+        except quant_gemm.UntiledShape:
+            return None
+        return [y.astype(x.dtype).reshape(*lead, d)]
     try:
         y = quant_mlp.quant_mlp(
             x.reshape(m, d),
