@@ -26,7 +26,9 @@ In one process:
 (c) the HBM read ceiling in the same process; every row's GB/s counts its own bytes (codes + scales
     + x + y, or the bf16 weight + x + y) and its % of the ceiling;
 (d) if torch imports: tinygemm int4 (`_convert_weight_to_int4pack` + `_weight_int4pack_mm`, group
-    128, bf16) on the same shapes, 32 distinct layers per CUDA graph.
+    128, bf16) on the same shapes, 32 distinct layers per CUDA graph;
+(e) the 8B's whole quantized MLP (shape "mlp"), int4 and int8, M = 1 and 8: the engine's launches (gate + up,
+    SwiGLU, down, combines) against `kernels.quant_mlp_owned`'s one launch, GB/s in the three weights' bytes.
 Ends with a table and one JSON line; --out writes the JSON.
 """
 
@@ -58,6 +60,7 @@ SHAPES = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (14336, 4096), "d
 MS = (1, 8)
 GROUP = 128
 FUSED = {"qkv": ((4096, 1024, 1024), 4096), "gate+up": ((14336, 14336), 4096)}  # (N_i, K): one launch each
+MLP = {"mlp": (4096, 14336)}  # (D, F): the whole quantized MLP, as launches or as one (`kernels.quant_mlp_owned`)
 VARIANTS = {  # name: QuantBlocks (tile per CTA) or QuantStreamBlocks (Stream-K); the first is the engine's
     "stream": qs.QuantStreamBlocks(),  # the engine's: resolved per shape and format (`QuantStreamBlocks.resolved`)
     "stream_biased_4wg": qs.QuantStreamBlocks(tile_n=256, int4_feed="biased"),  # int4: biased codes, "acc"
@@ -103,6 +106,7 @@ RUN = dict(
     layers=LAYERS,
     shapes=SHAPES,
     fused=FUSED,
+    mlp=MLP,
     runs=20,
     warmup=3,
     interpret=False,
@@ -140,6 +144,7 @@ def dry_mode():
         layers=2,
         shapes={"tiny": (256, 256)},
         fused={"tiny2": ((256, 256), 256)},
+        mlp={"tiny_mlp": (256, 256)},
         runs=1,
         warmup=0,
         interpret=True,
@@ -423,6 +428,70 @@ def time_fused(ceiling: float, variants: dict) -> None:
                     attempt_time(shape, m, f"int{bits}", name, nbytes, ceiling, gemm, tuple(weights), sum(ns), k)
             del weights
             gc.collect()
+    time_mlp(ceiling)
+
+
+def time_mlp(ceiling: float) -> None:
+    """The quantized MLP of one layer, x [M, D] -> y [M, D] f32: as the engine's default hooks run it (gate + up in
+    one stream launch, its combine with SwiGLU, down in another and its combine: "launches") against one launch of
+    `kernels.quant_mlp_owned` ("owned"), on the same stacks, their codes taken as stored (int4 in `permute_k` order);
+    "owned" checked against its reference at its own shape. GB/s count the three weights, x and y."""
+    from kernels import quant_mlp_owned as qo
+
+    layers, interp = RUN["layers"], RUN["interpret"]
+    for i, (shape, (d, f)) in enumerate(RUN["mlp"].items()):
+        for cdt in (jnp.int4, jnp.int8):
+            with_offsets = cdt == jnp.int4
+            sdt = RUN["scales"]
+            keys = jax.random.split(jax.random.key(300 + i), 3)
+            gate, up, down = (
+                quant_inputs(kk, layers, n, k, cdt, GROUP, sdt, with_offsets)
+                for kk, (n, k) in zip(keys, ((f, d), (f, d), (d, f)))
+            )
+            bits = jnp.iinfo(cdt).bits
+            # the codes' own order, for the reference (int4's are taken as stored: `permute_k` is its own inverse)
+            natural = tuple((qg.permute_k(c) if bits == 4 else c, s_, o) for c, s_, o in (gate, up, down))
+            cfg = qs.QuantStreamBlocks()
+            blocks = qo.OwnedMLPBlocks(ctas=8) if RUN["dry"] else qo.OwnedMLPBlocks()
+
+            def launches(x, l, g, u, dw):
+                gv, uv = qs.quant_gemm_multi(
+                    x,
+                    (g, u),
+                    l,
+                    group=GROUP,
+                    out_dtype=jnp.float32,
+                    block_sizes=cfg,
+                    permuted_codes=bits == 4,
+                    interpret=interp,
+                )
+                h = (gv / (1.0 + jnp.exp(-gv)) * uv).astype(x.dtype)
+                return qs.quant_gemm_multi(
+                    h,
+                    (dw,),
+                    l,
+                    group=GROUP,
+                    out_dtype=jnp.float32,
+                    block_sizes=cfg,
+                    permuted_codes=bits == 4,
+                    interpret=interp,
+                )[0]
+
+            def owned(x, l, g, u, dw):
+                return qo.quant_mlp_owned(x, g, u, dw, l, group=GROUP, block_sizes=blocks, interpret=interp)
+
+            def reference(x, l, natural=natural):
+                return qo.quant_mlp_owned_reference(x, *natural, l, group=GROUP)
+
+            scale_bytes = (2 if with_offsets else 1) * sdt.itemsize
+            weight_bytes = sum(quant_bytes(0, n, k, bits, GROUP, scale_bytes) for n, k in ((f, d), (f, d), (d, f)))
+            for m in MS:
+                nbytes = weight_bytes + 2 * m * d + 2 * m * d  # the weights, x and y (as bf16, like the GEMM rows)
+                weights = (gate, up, down)
+                attempt_time(shape, m, f"int{bits}", "launches", nbytes, ceiling, launches, weights, d, d)
+                attempt_time(shape, m, f"int{bits}", "owned", nbytes, ceiling, owned, weights, d, d, reference)
+            del gate, up, down, natural
+            gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,6 +574,7 @@ def main(argv=None) -> dict:
         names = args.shapes.split(",")
         RUN["shapes"] = {k: v for k, v in SHAPES.items() if k in names}
         RUN["fused"] = {k: v for k, v in FUSED.items() if k in names}
+        RUN["mlp"] = {k: v for k, v in MLP.items() if k in names}
     RUN["bf16"] = not args.no_bf16
     if args.dry_run:
         dry_mode()

@@ -29,6 +29,9 @@ class GPURow:
     model: str = "llama-3.1-8b"
     allreduce: str = "psum"  # tensor parallel: NCCL's psum or our peer-to-peer kernel ("kernel")
     quantize: str | None = None  # weights as `jaxdecode --quantize` stores them (None: bf16)
+    # the quantized weights' scales and offsets as the measured run stored them (`--quantize` stored float32
+    # until 2026-12-04, float16 since); None: today's default
+    scale_dtype: str | None = None
 
 
 B = "docs/log/2026-11-30.md (benchmarks/results/2026-11-30/loop_gpu_8b_inplace.json)"
@@ -162,16 +165,48 @@ PREVIOUS_KERNEL_FILES = (
 )
 QUANT_ROWS = (
     GPURow(
-        "ours int4, Llama-3.1-8B b1 ctx 1k", 2.3061, "looped_inplace", 1, "train", QRUN, context=1152, quantize="int4"
+        "ours int4, Llama-3.1-8B b1 ctx 1k",
+        2.3061,
+        "looped_inplace",
+        1,
+        "train",
+        QRUN,
+        context=1152,
+        quantize="int4",
+        scale_dtype="float32",
     ),
     GPURow(
-        "ours int8, Llama-3.1-8B b1 ctx 1k", 3.0835, "looped_inplace", 1, "test", QRUN, context=1152, quantize="int8"
+        "ours int8, Llama-3.1-8B b1 ctx 1k",
+        3.0835,
+        "looped_inplace",
+        1,
+        "test",
+        QRUN,
+        context=1152,
+        quantize="int8",
+        scale_dtype="float32",
     ),
     GPURow(
-        "ours int4, Llama-3.1-8B b8 ctx 1k", 2.7283, "looped_inplace", 8, "test", QRUN, context=1152, quantize="int4"
+        "ours int4, Llama-3.1-8B b8 ctx 1k",
+        2.7283,
+        "looped_inplace",
+        8,
+        "test",
+        QRUN,
+        context=1152,
+        quantize="int4",
+        scale_dtype="float32",
     ),
     GPURow(
-        "ours int8, Llama-3.1-8B b8 ctx 1k", 3.516, "looped_inplace", 8, "test", QRUN, context=1152, quantize="int8"
+        "ours int8, Llama-3.1-8B b8 ctx 1k",
+        3.516,
+        "looped_inplace",
+        8,
+        "test",
+        QRUN,
+        context=1152,
+        quantize="int8",
+        scale_dtype="float32",
     ),
     GPURow(
         "ours int4, Llama-3.1-70B b1 ctx 1k",
@@ -183,6 +218,7 @@ QUANT_ROWS = (
         context=1152,
         model="llama-3.1-70b",
         quantize="int4",
+        scale_dtype="float32",
     ),
     GPURow(
         "ours bf16 (int4's earlier run), Llama-3.1-8B b1 ctx 1k",

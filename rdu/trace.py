@@ -379,13 +379,15 @@ def trace_decode_step(
     looped: bool = True,
     dtype: str = "bfloat16",
     quantize: str | None = None,
+    scale_dtype: str | None = None,
 ) -> DataflowGraph:
     """The decode step of `cfg` (one new token per sequence, a cache of `context` rows) as a graph.
 
     Built from shapes only (`nnx.eval_shape`), so no weights are allocated, even for 405B. `looped`
     traces the kernel-looped forward (one `scan` of length L); otherwise the unrolled one (L `jit`
     calls of `decoder_layer_call`). `quantize` ("int8" | "int4"): the projections as
-    `model.quantize_weights` stores them, so the graph reads their codes and scales.
+    `model.quantize_weights` stores them, so the graph reads their codes and scales (in `scale_dtype`; None:
+    its default).
     """
     from flax import nnx
 
@@ -396,7 +398,8 @@ def trace_decode_step(
 
     def build():
         model = Transformer(cfg, dtype=dt, rngs=nnx.Rngs(0))
-        return quantize_weights(model, quantize) if quantize else model
+        scales = {} if scale_dtype is None else dict(scale_dtype=jnp.dtype(scale_dtype))
+        return quantize_weights(model, quantize, **scales) if quantize else model
 
     abstract = nnx.eval_shape(build)
     graphdef, params = nnx.split(abstract)

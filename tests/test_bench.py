@@ -274,6 +274,8 @@ def test_ab_variants_become_engine_arguments(ab):
     assert tiles.func is kernel_stacked_dot and tiles.keywords["block_sizes"].tile_n == 128
     on = ab.parse_variant("quantize=int4 mlp=on mlp:block_sizes.stages=2").engine_hooks()[Hook.MLP]  # off by default
     assert on.func is OPTIONAL_CALLS[Hook.MLP] and on.keywords["block_sizes"].stages == 2
+    owned = ab.parse_variant("quantize=int4 mlp=on mlp:design=owned").engine_hooks()[Hook.MLP]
+    assert owned.keywords == {"design": "owned"}
     env = ab.parse_variant("xla:xla_gpu_enable_command_buffer= xla:xla_foo=1 env:NCCL_PROTO=LL")
     assert env.env == {"XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_foo=1", "NCCL_PROTO": "LL"}
     assert env.own_process and ab.parse_variant("base") == ab.Variant("base")

@@ -20,7 +20,7 @@ from rdu.trace import trace_decode_step
 def quant_row_ms(row: GPURow, spec: GPUSpec) -> float:
     """The model's step time (ms) of a measured row, quantized or not."""
     cfg = get_preset(row.model)
-    g = trace_decode_step(cfg, row.batch, row.context, looped=False, quantize=row.quantize)
+    g = trace_decode_step(cfg, row.batch, row.context, looped=False, quantize=row.quantize, scale_dtype=row.scale_dtype)
     e = gpu_estimate(g, spec, batch=row.batch, dim=cfg.dim, kv_heads=cfg.n_kv_heads, mode=row.mode)
     return 1e3 * e.per_token_s
 
