@@ -1,13 +1,13 @@
 """The quantized MLP as one launch in which each CTA owns columns of h: gate/up, SwiGLU and down with no wait
 on another CTA (`quant_mlp_owned`).
 
-Why. A quantized GEMM launch pays a fixed cost that no streaming rate recovers (about 3.5 µs at int4: the first
-burst's latency, the last stages' compute, launch and teardown; docs/kernels.md), and the MLP is three GEMMs'
-worth of launches plus SwiGLU's and down's combine kernels. `kernels.quant_mlp` ran it as one launch of two
-Stream-K phases, and measured slower than the launches it replaced: every down unit needs an h block that
-needs gate/up partials from every CTA that covers it, so down waits on the slowest CTA through semaphores in
-HBM. Here nothing crosses CTAs until y: CTA c owns h blocks c, c + C, ... of BLOCK = 128 columns, and for each
-  - phase A: gate's and up's BLOCK rows of the block over all of K (D / 128 units of [256 rows, 128 columns]:
+Why. A quantized GEMM launch pays a fixed cost that no streaming rate recovers (the first burst's latency, the
+last stages' compute, launch and teardown; docs/kernels.md), and the MLP is two GEMM launches plus SwiGLU's and
+down's combine kernels. `kernels.quant_mlp` ran it as one launch of two Stream-K phases, and measured slower
+than the launches it replaced: every down unit needs an h block that needs gate/up partials from every CTA that
+covers it, so down waits on the slowest CTA through semaphores in HBM. Here nothing crosses CTAs until y: CTA c
+owns h blocks c, c + C, ... of BLOCK = 128 columns, and for each
+  - phase A: gate's and up's BLOCK rows of the block over all of D (D / 128 units of [256 rows, 128 columns]:
     gate's rows, then up's), into f32 accumulators in registers: no split-K, so no partials;
   - SwiGLU: h = silu(g) · u from the accumulators (up's warpgroups hand theirs over in SMEM), rounded to x's
     dtype as the model rounds it, then to int8 per row over the block (one group of down's K), in SMEM;
@@ -20,14 +20,14 @@ land, x's 64-row chunks streaming through two staging slots), int4 codes + 8 (`q
 codes straight from SMEM, scaled per unit in f32.
 
 The cost is balance: F / 128 blocks over C CTAs (112 blocks for Llama-3.1-8B's 14336 on 132 SMs: 20 idle;
-224 for 70B's 28672: 92 CTAs do two). Fewer SMs can still saturate HBM, and the launches and combines it
-removes are most of what an int4 MLP loses against its bytes. y's adds arrive in no fixed order, so its
-f32 sums can differ in the last bits from call to call.
+224 for 70B's 28672: 92 CTAs do two), against the launches and combines it removes, which are most of what an
+int4 MLP loses against its bytes; whether fewer SMs still saturate HBM decides it. y's adds arrive in no fixed
+order, so its f32 sums can differ in the last bits from call to call.
 
 Takes G = 128 (gate's and up's groups along D, down's along F), D a multiple of 256, F of 128, M <= 8, int4 codes
 stored in `quant_gemm.permute_k` order (as `jaxdecode.quantized` keeps them) or int8 codes, one format for all
 three weights. Tested through Mosaic GPU's interpreter (whose TMA has no reduce-add: there each block writes
-a slot of its own, summed after the call) and lowered for CUDA on any host; compiled on Hopper.
+a slot of its own, summed after the call) and lowered for CUDA on any host; the compiled test needs Hopper.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ class GPURow:
     model: str = "llama-3.1-8b"
     allreduce: str = "psum"  # tensor parallel: NCCL's psum or our peer-to-peer kernel ("kernel")
     quantize: str | None = None  # weights as `jaxdecode --quantize` stores them (None: bf16)
-    # the quantized weights' scales and offsets as the measured run stored them (`--quantize` stored float32
-    # until 2026-12-04, float16 since); None: today's default
+    # the quantized weights' scales and offsets as the measured run stored them (runs before `--quantize` moved to
+    # float16 stored float32); None: `quantize`'s default
     scale_dtype: str | None = None
 
 
