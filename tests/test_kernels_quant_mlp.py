@@ -7,14 +7,12 @@ and two cores' worth of blocked callbacks then hold back the thread that would r
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import run_json
 
 from kernels import quant_mlp as qm
 from kernels.quant_gemm import UntiledShape
@@ -83,19 +81,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN, json.dumps(CASES), HOOK_CASE],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(_RUN, json.dumps(CASES), HOOK_CASE)
 
 
 @pytest.mark.parametrize("name", list(CASES))

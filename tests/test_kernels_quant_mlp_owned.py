@@ -17,14 +17,12 @@ test_kernels_quant_mlp: blocked barrier callbacks on two cores otherwise hold ba
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreted import run_json
 
 from kernels import quant_mlp_owned as qo
 from kernels.quant_gemm import UntiledShape
@@ -118,19 +116,7 @@ def tie_allowance(x, gate, up, down, layer: int = 1) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN, json.dumps(CASES), HOOK_CASE],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(_RUN, json.dumps(CASES), HOOK_CASE)
 
 
 def _assert_close(y, ref, allow):

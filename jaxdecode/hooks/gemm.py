@@ -227,31 +227,15 @@ def kernel_mlp(
     if weights[2][0].stack.shape[-1] // weights[2][1].stack.shape[1] != group:
         return None  # down's group size differs from gate's and up's
     if design == "owned":  # int4 codes in groups of 128 are always stored in the kernels' order
-        try:
-            y = quant_mlp_owned.quant_mlp_owned(
-                x.reshape(m, d),
-                *stream_arrays(weights),
-                weights[0][0].index,
-                group=group,
-                block_sizes=owned_blocks,
-                interpret=interpret,
-            )  # [M, D] f32
-        except quant_gemm.UntiledShape:
-            return None
-        return [y.astype(x.dtype).reshape(*lead, d)]
+        kernel, kw = quant_mlp_owned.quant_mlp_owned, dict(block_sizes=owned_blocks)
+    else:
+        kernel, kw = quant_mlp.quant_mlp, dict(block_sizes=block_sizes, permuted_codes=codes_permuted(weights))
+    layer = weights[0][0].index
     try:
-        y = quant_mlp.quant_mlp(
-            x.reshape(m, d),
-            *stream_arrays(weights),
-            weights[0][0].index,
-            group=group,
-            block_sizes=block_sizes,
-            permuted_codes=codes_permuted(weights),
-            interpret=interpret,
-        )  # [M, D]
+        y = kernel(x.reshape(m, d), *stream_arrays(weights), layer, group=group, interpret=interpret, **kw)
     except quant_gemm.UntiledShape:
         return None
-    return [y.reshape(*lead, d)]
+    return [y.astype(x.dtype).reshape(*lead, d)]  # [M, D]: f32 from "owned", x's dtype from "phases"
 
 
 def _stream_blocks(block_sizes: flat_gemm.BlockSizes, pdl: bool = False) -> flat_gemm_stream.StreamBlocks:
