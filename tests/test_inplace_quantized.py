@@ -151,18 +151,20 @@ def test_compiled_default_hooks_equal_unrolled(batch, quant_hooks, cfg):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="compiled Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("design", ["phases", "owned"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_compiled_fused_mlp_equals_the_unfused_path(batch):
-    """The optional fused MLP hook (`kernel_mlp`: gate/up, SwiGLU and down in one launch) on a 4-layer int4
-    model, compiled: the first decode step's logits match the default looped engine's (the same kernels'
-    arithmetic but h's rounding and the sums' order) and the unrolled model's, and greedy decoding picks the
-    same tokens; the hook took the MLP wherever M <= 8 (the decode step, and the prompt at batch 1)."""
+def test_compiled_fused_mlp_equals_the_unfused_path(batch, design):
+    """The optional fused MLP hook (`kernel_mlp`: gate/up, SwiGLU and down in one launch, of either design) on a
+    4-layer int4 model, compiled: the first decode step's logits match the default looped engine's (the same
+    kernels' arithmetic but h's rounding, the sums' order and, for "owned", gate's and up's x rounded to int8
+    as down's is) and the unrolled model's, and greedy decoding picks the same tokens; the hook took the MLP
+    wherever M <= 8 (the decode step, and the prompt at batch 1)."""
     cfg = ModelConfig("tiny-quant-fused-mlp", 97, 512, 4, 4, 2, 1024, max_seq_len=64)
     model = quantize_weights(init_random(cfg, seed=7, dtype=jnp.bfloat16), "int4", group=128)
     taken: list = []
 
     def counted(x, *args, **kwargs):
-        out = kernel_mlp(x, *args, **kwargs)
+        out = kernel_mlp(x, *args, design=design, **kwargs)
         taken.append((int(np.prod(x.shape[:-1])), out is not None))  # (M, taken): the kernel takes M <= 8
         return out
 

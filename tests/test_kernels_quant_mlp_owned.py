@@ -34,6 +34,7 @@ CASES = {  # name: (codes, offsets, scales' dtype, M, D, F, CTAs)
     "int4_offsets_f16_m1": ("int4", True, "float16", 1, 256, 256, 2),  # --quantize int4's format
     "int4_offsets_m5_two_blocks_a_cta": ("int4", True, "float32", 5, 512, 512, 2),
     "int8_m8_uneven_blocks": ("int8", False, "bfloat16", 8, 256, 384, 2),  # 3 blocks on 2 CTAs
+    "int8_offsets_m4": ("int8", True, "float16", 4, 256, 256, 2),  # int4 weights as the CPU widens them
     "int4_m3_idle_cta": ("int4", False, "float32", 3, 256, 256, 3),  # 2 blocks on 3 CTAs
     # x in three 64-row chunks through two staging slots: the first slot is refilled once rounded
     "int4_offsets_f16_m2_x_in_three_chunks": ("int4", True, "float16", 2, 3072, 256, 2),
