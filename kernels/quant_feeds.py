@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels.quant_gemm import permute_k
 
 # ---------------------------------------------------------------------------------------------
 # int4 codes as wgmma's register operand without a relayout
@@ -186,6 +189,29 @@ def quantize_activations(x, group: int, offsets: bool):
     qsum = xq.astype(jnp.int32).sum(axis=-1).astype(jnp.float32)  # [M8, K/G], |.| <= 127 G: exact in f32
     consts = [s, -S8_BIAS * s * qsum] + ([xf.sum(axis=-1)] if offsets else [])
     return xq.reshape(m8, k), jnp.stack(consts).transpose(2, 0, 1)  # [K/G, 2 or 3, M8]
+
+
+def round_rows_to_s8(src, dst_q, dst_c, rows, *, bits: int, interpret: bool) -> None:
+    """Inside a kernel, one warpgroup: `quantize_activations` of `src` [64, G] (16-bit, SMEM; rows (group, m))
+    into rows `rows` of `dst_q` (int8, the s8 wgmma's operand order: int4 codes are stored in `permute_k` order
+    and converted in `permute_s8` order, int8 codes are in K order, the WGMMA_LAYOUT_8BIT registers as loaded)
+    and of `dst_c` [2 or 3, ..] f32: the scale, the codes' bias term -8·scale·Σxq (int4 codes go in as
+    code + 8; exact in f32, |Σxq| <= 127·G) and, where dst_c has a third row, Σx for the offsets."""
+    layout = plgpu.Layout.WGMMA if bits == 4 else plgpu.Layout.WGMMA_8BIT
+    xf = plgpu.load(src, layout=layout).astype(jnp.float32)  # [64, G]
+    amax = jnp.max(jnp.abs(xf), axis=1)  # [64]
+    s = jnp.where(amax > 0, amax / 127, jnp.float32(1))
+    q = jnp.round(xf / lax.broadcast_in_dim(s, xf.shape, [0]))
+    q = jnp.minimum(jnp.maximum(q, jnp.float32(-127)), jnp.float32(127))
+    dst_c.at[0, rows][...] = s
+    dst_c.at[1, rows][...] = -(S8_BIAS if bits == 4 else 0) * s * q.sum(axis=1)
+    if dst_c.shape[0] == 3:
+        dst_c.at[2, rows][...] = xf.sum(axis=1)
+    q = q.astype(jnp.int8)
+    if bits == 8:
+        dst_q.at[rows][...] = q
+    else:
+        dst_q.at[rows][...] = permute_s8(permute_k(q)) if interpret else x_as_s8_operand(q)
 
 
 def relabel_as_wgmma(w):

@@ -53,8 +53,8 @@ from kernels.quant_feeds import (
     permute_s8,
     quantize_activations,
     relabel_as_wgmma,
+    round_rows_to_s8,
     s8_as_wgmma,
-    x_as_s8_operand,
 )
 from kernels.quant_gemm import (
     UntiledShape,
@@ -307,24 +307,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             @pl.when(wg == ch % wgs)
             def _():
                 rsl = pl.ds(ch * 64, 64)
-                # int4 codes want x in their stored order (`x_as_s8_operand`), int8 codes in K order: the
-                # WGMMA_LAYOUT_8BIT registers as loaded
-                layout = plgpu.Layout.WGMMA if bits == 4 else plgpu.Layout.WGMMA_8BIT
-                xf = plgpu.load(xs_smem.at[rsl], layout=layout).astype(jnp.float32)  # [64, G]
-                amax = jnp.max(jnp.abs(xf), axis=1)  # [64]
-                s = jnp.where(amax > 0, amax / 127, jnp.float32(1))
-                q = jnp.round(xf / lax.broadcast_in_dim(s, xf.shape, [0]))
-                q = jnp.minimum(jnp.maximum(q, jnp.float32(-127)), jnp.float32(127))
-                xc_smem.at[0, rsl][...] = s
-                code_bias = S8_BIAS if bits == 4 else 0  # int4 codes go in as code + 8
-                xc_smem.at[1, rsl][...] = -code_bias * s * q.sum(axis=1)  # Σ xq: exact in f32 (|.| <= 127 G)
-                if xc_smem.shape[0] == 3:
-                    xc_smem.at[2, rsl][...] = xf.sum(axis=1)
-                q = q.astype(jnp.int8)
-                if bits == 8:
-                    xq_smem.at[rsl][...] = q
-                else:
-                    xq_smem.at[rsl][...] = permute_s8(permute_k(q)) if interpret else x_as_s8_operand(q)
+                round_rows_to_s8(xs_smem.at[rsl], xq_smem, xc_smem, rsl, bits=bits, interpret=interpret)
 
         plgpu.commit_smem()  # the rounded x and its constants, visible to wgmma (the async proxy)
         plgpu.barrier_arrive(xq_ready)

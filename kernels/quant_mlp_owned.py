@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +43,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels import flat_gemm_stream
-from kernels.quant_feeds import S8_BIAS, permute_s8, s8_as_wgmma, x_as_s8_operand
+from kernels.quant_feeds import S8_BIAS, permute_s8, round_rows_to_s8, s8_as_wgmma
 from kernels.quant_gemm import (
     UntiledShape,
     check_shapes,
     code_bits,
     mma_from_registers,
     mma_from_smem,
-    permute_k,
     smem_transforms,
 )
 from kernels.quant_gemm_stream import quant_gemm_s8_reference
@@ -203,32 +203,14 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout):
 
     # ---- compute warpgroups
 
-    def round_rows(src, dst_q, dst_c, rsl):
-        """`quant_feeds.quantize_activations` of `src` [64, 128] (16-bit) into rows `rsl` of `dst_q` (int8, the
-        s8 wgmma's operand order) and of `dst_c` [consts, ..] f32: scale, -8·scale·Σq (int4's bias), Σx."""
-        layout = plgpu.Layout.WGMMA if bits == 4 else plgpu.Layout.WGMMA_8BIT
-        xf = plgpu.load(src, layout=layout).astype(jnp.float32)  # [64, 128]
-        amax = jnp.max(jnp.abs(xf), axis=1)  # [64]
-        s = jnp.where(amax > 0, amax / 127, jnp.float32(1))
-        q = jnp.round(xf / lax.broadcast_in_dim(s, xf.shape, [0]))
-        q = jnp.minimum(jnp.maximum(q, jnp.float32(-127)), jnp.float32(127))
-        dst_c.at[0, rsl][...] = s
-        dst_c.at[1, rsl][...] = -(S8_BIAS if bits == 4 else 0) * s * q.sum(axis=1)  # exact in f32
-        if lay.offsets:
-            dst_c.at[2, rsl][...] = xf.sum(axis=1)
-        q = q.astype(jnp.int8)
-        if bits == 8:  # int8 codes are in K order: the WGMMA_LAYOUT_8BIT registers as loaded
-            dst_q.at[rsl][...] = q
-        else:  # int4 codes are stored in `permute_k` order and converted in `permute_s8` order
-            dst_q.at[rsl][...] = permute_s8(permute_k(q)) if lay.interpret else x_as_s8_operand(q)
-
     def round_x():  # the CTA's x, all its groups, 64 rows (group, m) per chunk and warpgroup
         for ch in range(lay.x_chunks):
 
             @pl.when(wg == ch % WGS)
             def _():
                 plgpu.barrier_wait(x_ready.at[ch])
-                round_rows(xs_smem.at[ch % lay.x_slots], xq_smem, xc_smem, pl.ds(ch * 64, 64))
+                src = xs_smem.at[ch % lay.x_slots]
+                round_rows_to_s8(src, xq_smem, xc_smem, pl.ds(ch * 64, 64), bits=bits, interpret=lay.interpret)
                 plgpu.barrier_arrive(x_free.at[ch % lay.x_slots])  # its values are in registers now
 
         @pl.when(wg == 0)
@@ -302,7 +284,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout):
         @pl.when(wg == 0)
         def _():
             plgpu.barrier_wait(h_stored)  # both halves
-            round_rows(hs_smem, hq_smem, hc_smem, pl.ds(0, 64))
+            round_rows_to_s8(hs_smem, hq_smem, hc_smem, pl.ds(0, 64), bits=bits, interpret=lay.interpret)
             plgpu.commit_smem()
             plgpu.barrier_arrive(h_ready)
 
@@ -381,11 +363,15 @@ def _check(x, gate, up, down, group: int) -> None:
         raise UntiledShape(f"D={d} must be a multiple of {UNIT_ROWS} and F={f} of {BLOCK}")
 
 
-def _scratch(lay: _Layout, x_dtype, scale_dtype):
-    """The SMEM of x's rounding and of h (the stages aside), their bytes, a stage's bytes, the codes' dtype."""
-    arrays = 2 + lay.offsets
-    codes_dtype = jnp.int4 if lay.bits == 4 else jnp.int8
-    fixed = [
+def _smem_bytes(refs) -> int:
+    """Bytes of SMEM refs (int4 at half a byte), as their shapes say: the stages that fit follow from them."""
+    bits = lambda dt: (jnp.iinfo if jnp.issubdtype(dt, jnp.integer) else jnp.finfo)(dt).bits  # noqa: E731
+    return sum(math.prod(r.shape) * bits(r.dtype) // 8 for r in refs)
+
+
+def _fixed_smem(lay: _Layout, x_dtype) -> tuple[list, list]:
+    """The SMEM of x's rounding and of h: (what comes before the stages, what comes after them)."""
+    x_part = [
         plgpu.SMEM((lay.x_slots, 64, GROUP), x_dtype, transforms=smem_transforms(GROUP, 16)),  # x's chunks as copied
         plgpu.SMEM((lay.x_rows, GROUP), jnp.int8, transforms=smem_transforms(GROUP, 8)),  # x rounded
         plgpu.SMEM((lay.consts, lay.x_rows), jnp.float32),  # its constants
@@ -397,14 +383,16 @@ def _scratch(lay: _Layout, x_dtype, scale_dtype):
         plgpu.SMEM((lay.consts, 64), jnp.float32),  # its constants
         plgpu.SMEM((WGS, 2, 64, lay.m8), jnp.float32),  # each warpgroup's y flushes, double-buffered
     ]
-    fixed_bytes = lay.x_slots * 64 * GROUP * jnp.dtype(x_dtype).itemsize  # x's staging slots
-    fixed_bytes += lay.x_rows * GROUP + lay.consts * lay.x_rows * 4  # x rounded, its constants
-    fixed_bytes += 2 * 64 * lay.m8 * 4 + 64 * BLOCK * (jnp.dtype(x_dtype).itemsize + 1) + lay.consts * 64 * 4
-    fixed_bytes += WGS * 2 * 64 * lay.m8 * 4
-    stage_bytes = 2 * BLOCK * GROUP * lay.bits // 8 + (arrays - 1) * 2 * BLOCK * jnp.dtype(scale_dtype).itemsize
-    if lay.interpret:
-        fixed_bytes += WGS * 64 * GROUP
-    return fixed, h_part, fixed_bytes, stage_bytes, codes_dtype
+    return x_part, h_part
+
+
+def _stage_smem(stages: int, codes_dtype, groupwise_dtypes) -> list:
+    """The ring: per stage a unit's codes [2, 128, 128] and its scales (offsets) [2, 1, 128]."""
+    bits = jnp.iinfo(codes_dtype).bits
+    return [
+        plgpu.SMEM((stages, 2, BLOCK, GROUP), codes_dtype, transforms=smem_transforms(GROUP, bits)),
+        *(plgpu.SMEM((stages, 2, 1, BLOCK), dt) for dt in groupwise_dtypes),
+    ]
 
 
 @functools.partial(jax.jit, static_argnames=("group", "block_sizes", "interpret"))
@@ -433,7 +421,11 @@ def quant_mlp_owned(
     offsets = gate[2] is not None
     bits = code_bits(gate[0].dtype)
     lay = _Layout(d, f, m8, ctas, block_sizes.stages, bits, offsets, interpret)
-    x_part, h_part, fixed_bytes, stage_bytes, codes_dtype = _scratch(lay, x.dtype, gate[1].dtype)
+    x_part, h_part = _fixed_smem(lay, x.dtype)
+    lhs = [plgpu.SMEM((WGS, 64, GROUP), jnp.int8)] if interpret else []  # the interpreter's wgmma LHS: SMEM only
+    groupwise = [a.dtype for a in gate[1:] if a is not None]
+    fixed_bytes = _smem_bytes(x_part + h_part + lhs)
+    stage_bytes = _smem_bytes(_stage_smem(1, gate[0].dtype, groupwise))
     fit = (block_sizes.smem_bytes - fixed_bytes) // stage_bytes
     if fit < 2:
         raise UntiledShape(
@@ -442,10 +434,6 @@ def quant_mlp_owned(
         )
     lay = dataclasses.replace(lay, stages=max(2, min(block_sizes.stages, fit)))
     arrays = 2 + offsets
-    stages = [
-        plgpu.SMEM((lay.stages, 2, BLOCK, GROUP), codes_dtype, transforms=smem_transforms(GROUP, bits)),
-        *(plgpu.SMEM((lay.stages, 2, 1, BLOCK), a.dtype) for a in gate[1:] if a is not None),
-    ]
     barriers = [
         plgpu.Barrier(num_arrivals=2 * arrays, num_barriers=lay.stages),  # produced: two halves of each array
         plgpu.Barrier(num_arrivals=WGS, num_barriers=lay.stages),  # consumed
@@ -457,9 +445,7 @@ def quant_mlp_owned(
         plgpu.Barrier(num_arrivals=1),  # h rounded
         plgpu.Barrier(num_arrivals=WGS),  # a block's down units done
     ]
-    scratch = [*x_part, *stages, *h_part, *barriers]
-    if interpret:  # the interpreter's wgmma takes its LHS from SMEM only
-        scratch.append(plgpu.SMEM((WGS, 64, GROUP), jnp.int8))
+    scratch = [*x_part, *_stage_smem(lay.stages, gate[0].dtype, groupwise), *h_part, *barriers, *lhs]
     x_in = x if flat_gemm_stream.tma_reads_unpadded(m) else jnp.pad(x, ((0, m8 - m), (0, 0)))
     ins = (jnp.asarray(layer, jnp.int32).reshape(1), x_in, *(a for w in (gate, up, down) for a in w if a is not None))
     kernel = functools.partial(
