@@ -87,13 +87,12 @@ from jaxdecode.hooks import KERNEL_CALLS, OPTIONAL_CALLS, TP_CALLS, kernel_stack
 from jaxdecode.loading import load_model  # noqa: E402
 from jaxdecode.looped_model import default_loop_mode  # noqa: E402
 from jaxdecode.model import Hook, quantize_weights  # noqa: E402
-from jaxdecode.quantized import QUANTIZE_FORMATS  # noqa: E402
+from jaxdecode.quantized import QUANTIZE_FORMATS, SCALE_DTYPE  # noqa: E402
+from jaxdecode.tp import TPForward  # noqa: E402
 from kernels.quant_gemm import SCALE_DTYPES  # noqa: E402
 
-SCALE_NAMES = tuple(jnp.dtype(d).name for d in SCALE_DTYPES)
-from jaxdecode.tp import TPForward  # noqa: E402
-
 LOOP_MODES = ("slice", "inplace")
+SCALE_NAMES = tuple(jnp.dtype(d).name for d in SCALE_DTYPES)
 ALLREDUCE = ("psum", "kernel")
 STACKED_DOT = "stacked_dot"  # the dot hook, overridden like the named hooks (`Engine(stacked_dot=)`)
 
@@ -116,6 +115,10 @@ class Variant:
     scales: str | None = None  # with quantize: `quantize_weights`'s scale_dtype (None: its default)
     hooks: dict = dataclasses.field(default_factory=dict)  # hook name or STACKED_DOT -> None (off) or {kw: value}
     env: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def scale_dtype(self):  # with quantize: the scales' dtype `quantize_weights` stores
+        return SCALE_DTYPE if self.scales is None else jnp.dtype(self.scales)
 
     @property
     def own_process(self) -> bool:
@@ -271,8 +274,7 @@ def variant_model(model, v: Variant):
     if not v.quantize:
         return model
     graph, state = nnx.split(model)  # new Variables over the same arrays: set_value must not reach `model`
-    scales = {} if v.scales is None else dict(scale_dtype=jnp.dtype(v.scales))
-    return quantize_weights(nnx.merge(graph, jax.tree.map(lambda a: a, state)), v.quantize, **scales)
+    return quantize_weights(nnx.merge(graph, jax.tree.map(lambda a: a, state)), v.quantize, scale_dtype=v.scale_dtype)
 
 
 def build_engine(model, v: Variant):
@@ -345,10 +347,11 @@ def measure_row(engine, v: Variant, head: dict, prompts: np.ndarray, args, ceili
     step_s = statistics.median(t.decode_s / t.steps for t in runs)
     steps = runs[0].steps
     mean_context = context + args.prompt_len + steps // 2
-    scales = {} if v.scales is None else dict(scale_dtype=jnp.dtype(v.scales))
-    moved = decode_cost(
-        cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=v.quantize or args.quantize, **scales
-    ).bytes
+    quantize = v.quantize or args.quantize
+    cost = decode_cost(
+        cfg, batch=batch, context=mean_context, itemsize=itemsize, quantize=quantize, scale_dtype=v.scale_dtype
+    )
+    moved = cost.bytes
     row = dict(
         head,
         model=args.model,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -173,6 +174,11 @@ def quant_bytes(m: int, n: int, k: int, bits: int, group: int, scale_bytes: int)
     return n * k * bits // 8 + (k // group) * n * scale_bytes + 2 * m * k + 2 * m * n
 
 
+def group_bytes(offsets: bool) -> int:
+    """Bytes per group and weight row of the timed rows' scales (and offsets), in --scales' dtype."""
+    return (1 + offsets) * RUN["scales"].itemsize
+
+
 def bf16_bytes(m: int, n: int, k: int) -> int:
     return 2 * n * k + 2 * m * k + 2 * m * n
 
@@ -184,8 +190,8 @@ def log_bytes() -> None:
         row = [
             [f(m) / 2**20 for m in MS]
             for f in (
-                lambda m: quant_bytes(m, n, k, 4, GROUP, 2 * RUN["scales"].itemsize),
-                lambda m: quant_bytes(m, n, k, 8, GROUP, RUN["scales"].itemsize),
+                lambda m: quant_bytes(m, n, k, 4, GROUP, group_bytes(True)),
+                lambda m: quant_bytes(m, n, k, 8, GROUP, group_bytes(False)),
                 lambda m: bf16_bytes(m, n, k),
             )
         ]
@@ -374,11 +380,10 @@ def time_shapes(ceiling: float, variants: dict, int8_variants) -> None:
         key = jax.random.key(100 + i)
         for cdt, names in ((jnp.int4, list(variants)), (jnp.int8, list(int8_variants))):
             with_offsets = cdt == jnp.int4  # --quantize int4 is asymmetric: offsets beside the scales
-            sdt = RUN["scales"]
-            codes, scales, offsets = quant_inputs(key, layers, n, k, cdt, GROUP, sdt, with_offsets)
+            codes, scales, offsets = quant_inputs(key, layers, n, k, cdt, GROUP, RUN["scales"], with_offsets)
             bits = jnp.iinfo(cdt).bits
             for m in MS:
-                nbytes = quant_bytes(m, n, k, bits, GROUP, (2 if with_offsets else 1) * sdt.itemsize)
+                nbytes = quant_bytes(m, n, k, bits, GROUP, group_bytes(with_offsets))
                 for name in names:
                     gemm = quant_op(VARIANTS[name], GROUP, interp)
                     arrays = (codes, scales) + ((offsets,) if with_offsets else ())
@@ -414,8 +419,7 @@ def time_fused(ceiling: float, variants: dict) -> None:
             weights = [quant_inputs(kk, layers, n, k, cdt, GROUP, sdt, with_offsets) for kk, n in zip(keys, ns)]
             bits = jnp.iinfo(cdt).bits
             for m in MS:
-                scale_bytes = (2 if with_offsets else 1) * sdt.itemsize
-                nbytes = sum(quant_bytes(m, n, k, bits, GROUP, scale_bytes) for n in ns) - 2 * m * k * (
+                nbytes = sum(quant_bytes(m, n, k, bits, GROUP, group_bytes(with_offsets)) for n in ns) - 2 * m * k * (
                     len(ns) - 1
                 )  # x is read once
                 for name, cfg in variants.items():
@@ -442,40 +446,22 @@ def time_mlp(ceiling: float) -> None:
     for i, (shape, (d, f)) in enumerate(RUN["mlp"].items()):
         for cdt in (jnp.int4, jnp.int8):
             with_offsets = cdt == jnp.int4
-            sdt = RUN["scales"]
             keys = jax.random.split(jax.random.key(300 + i), 3)
             gate, up, down = (
-                quant_inputs(kk, layers, n, k, cdt, GROUP, sdt, with_offsets)
+                quant_inputs(kk, layers, n, k, cdt, GROUP, RUN["scales"], with_offsets)
                 for kk, (n, k) in zip(keys, ((f, d), (f, d), (d, f)))
             )
             bits = jnp.iinfo(cdt).bits
             # the codes' own order, for the reference (int4's are taken as stored: `permute_k` is its own inverse)
             natural = tuple((qg.permute_k(c) if bits == 4 else c, s_, o) for c, s_, o in (gate, up, down))
-            cfg = qs.QuantStreamBlocks()
             blocks = qo.OwnedMLPBlocks(ctas=8) if RUN["dry"] else qo.OwnedMLPBlocks()
+            multi = functools.partial(  # the engine's stream launch, its combine, y in f32
+                qs.quant_gemm_multi, group=GROUP, out_dtype=jnp.float32, permuted_codes=bits == 4, interpret=interp
+            )
 
             def launches(x, l, g, u, dw):
-                gv, uv = qs.quant_gemm_multi(
-                    x,
-                    (g, u),
-                    l,
-                    group=GROUP,
-                    out_dtype=jnp.float32,
-                    block_sizes=cfg,
-                    permuted_codes=bits == 4,
-                    interpret=interp,
-                )
-                h = (gv / (1.0 + jnp.exp(-gv)) * uv).astype(x.dtype)
-                return qs.quant_gemm_multi(
-                    h,
-                    (dw,),
-                    l,
-                    group=GROUP,
-                    out_dtype=jnp.float32,
-                    block_sizes=cfg,
-                    permuted_codes=bits == 4,
-                    interpret=interp,
-                )[0]
+                gv, uv = multi(x, (g, u), l)
+                return multi((gv / (1.0 + jnp.exp(-gv)) * uv).astype(x.dtype), (dw,), l)[0]
 
             def owned(x, l, g, u, dw):
                 return qo.quant_mlp_owned(x, g, u, dw, l, group=GROUP, block_sizes=blocks, interpret=interp)
@@ -483,8 +469,8 @@ def time_mlp(ceiling: float) -> None:
             def reference(x, l, natural=natural):
                 return qo.quant_mlp_owned_reference(x, *natural, l, group=GROUP)
 
-            scale_bytes = (2 if with_offsets else 1) * sdt.itemsize
-            weight_bytes = sum(quant_bytes(0, n, k, bits, GROUP, scale_bytes) for n, k in ((f, d), (f, d), (d, f)))
+            shapes = ((f, d), (f, d), (d, f))
+            weight_bytes = sum(quant_bytes(0, n, k, bits, GROUP, group_bytes(with_offsets)) for n, k in shapes)
             for m in MS:
                 nbytes = weight_bytes + 2 * m * d + 2 * m * d  # the weights, x and y (as bf16, like the GEMM rows)
                 weights = (gate, up, down)
@@ -563,7 +549,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dry-run", action="store_true", help="interpret mode on tiny shapes (the CPU works)")
     ap.add_argument("--skip-timing", action="store_true", help="the ceiling and the correctness check only")
     ap.add_argument("--budget-s", type=float, default=210, help="start no timing row after this many seconds")
-    ap.add_argument("--shapes", default=None, help="comma-separated names of SHAPES and FUSED to time (default: all)")
+    ap.add_argument(
+        "--shapes", default=None, help="comma-separated names of SHAPES, FUSED and MLP to time (default: all)"
+    )
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 rows (flat GEMM and XLA's dot)")
     ap.add_argument(
         "--scales", default="float16", choices=("float16", "bfloat16", "float32"), help="the timed rows' scales dtype"

@@ -393,13 +393,13 @@ def trace_decode_step(
 
     from jaxdecode.looped_model import LoopedForward
     from jaxdecode.model import Transformer, quantize_weights
+    from jaxdecode.quantized import SCALE_DTYPE
 
     dt = jnp.dtype(dtype)
 
     def build():
         model = Transformer(cfg, dtype=dt, rngs=nnx.Rngs(0))
-        scales = {} if scale_dtype is None else dict(scale_dtype=jnp.dtype(scale_dtype))
-        return quantize_weights(model, quantize, **scales) if quantize else model
+        return quantize_weights(model, quantize, scale_dtype=scale_dtype or SCALE_DTYPE) if quantize else model
 
     abstract = nnx.eval_shape(build)
     graphdef, params = nnx.split(abstract)
