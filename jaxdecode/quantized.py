@@ -9,6 +9,9 @@ One format serves every source, so one kernel family reads them all:
 - `scales`, `offsets` [K/G, N]: one row per group, so a group's N scales are one contiguous vector the
   kernel multiplies into its accumulator rows. `offsets` is None for symmetric formats (int8, Q8_0, ...).
 - G, the group size, is K / scales.shape[-2]; stacked layers add a leading [L] to all three.
+- The GGUF K-quants keep their own two levels (`kernels.superblocks`): int8 sub-scales (and sub-offsets)
+  [K/G, N] and float16 `super_scales` (`super_offsets`) [K/256, N], which `group_scales` expands to the
+  float32 scales and offsets above, bit for bit.
 - Int4 codes whose groups are whole 32-column blocks are stored in the Hopper kernels' K order
   (`in_kernel_order`): within each 32-column block the columns are permuted the way the kernel hands
   converted registers to wgmma (`kernels.quant_gemm.permute_k`, its own inverse). The kernel then
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import superblocks
 from kernels.quant_gemm import SCALE_DTYPES, permute_k
 
 Array = jax.Array
@@ -44,20 +48,33 @@ SCALE_DTYPE = jnp.float16
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A [K, N] weight (or a stack [L, K, N]) as codes [.., N, K] and per-group scales (+ offsets) [.., K/G, N].
+    """A [K, N] weight (or a stack [L, K, N]) as codes [.., N, K] and per-group scales (+ offsets) [.., K/G, N],
+    of one level (float) or two (int8 per group times float16 per super-block: `kernels.superblocks`).
 
     `fmt` names where it came from ("int4", "int8" for `quantize`; a GGUF type such as "Q4_K"), for
-    reports; the arithmetic depends only on the arrays."""
+    reports; the arithmetic depends only on the arrays. The leaves, in order, are what the kernels take
+    (`kernels.superblocks.weight_arrays`)."""
 
     codes: Array  # [..., N, K] int4 | int8, stored order (`in_kernel_order`)
-    scales: Array  # [..., K/G, N] float
-    offsets: Array | None  # [..., K/G, N] float, or None
+    scales: Array  # [..., K/G, N] float; int8 sub-scales with super_scales
+    offsets: Array | None  # [..., K/G, N] like scales, or None
     fmt: str = dataclasses.field(metadata=dict(static=True))
+    super_scales: Array | None = None  # [..., K/256, N] float16, or None (one level)
+    super_offsets: Array | None = None  # [..., K/256, N] float16 (with offsets), or None
 
     @classmethod
-    def from_codes(cls, codes, scales, offsets, fmt: str) -> QuantizedWeight:
+    def from_codes(cls, codes, scales, offsets, fmt: str, super_scales=None, super_offsets=None) -> QuantizedWeight:
         """The weight whose codes [..., N, K] are given in its own K order, stored as the layout says."""
-        return cls(reorder_codes(codes, scales), scales, offsets, fmt)
+        return cls(reorder_codes(codes, scales), scales, offsets, fmt, super_scales, super_offsets)
+
+    @property
+    def group_arrays(self) -> tuple:
+        """(scales, offsets, super_scales, super_offsets), absent ones None: what `group_scales` expands."""
+        return self.scales, self.offsets, self.super_scales, self.super_offsets
+
+    def group_scales(self) -> tuple[Array, Array | None]:
+        """(scales, offsets or None) [..., K/G, N] float32, two levels expanded."""
+        return group_scales(*self.group_arrays)
 
     def natural_codes(self) -> Array:
         """The codes [..., N, K] in the weight's own K order."""
@@ -77,12 +94,12 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         """Bytes on the device: int4 codes count half a byte each (XLA packs them on the GPU)."""
         bits = jnp.iinfo(self.codes.dtype).bits
-        total = self.codes.size * bits // 8 + self.scales.size * self.scales.dtype.itemsize
-        return total + (0 if self.offsets is None else self.offsets.size * self.offsets.dtype.itemsize)
+        groupwise = (a for a in self.group_arrays if a is not None)
+        return self.codes.size * bits // 8 + sum(a.size * jnp.dtype(a.dtype).itemsize for a in groupwise)
 
     def dequantize(self, dtype=jnp.float32) -> Array:
         """The dense weight [..., K, N] in `dtype`, computed in float32."""
-        return jnp.swapaxes(dequantize_rows(self.codes, self.scales, self.offsets), -1, -2).astype(dtype)
+        return jnp.swapaxes(dequantize_rows(self.codes, *self.group_scales()), -1, -2).astype(dtype)
 
     def device_put(self) -> QuantizedWeight:
         """The same weight with numpy arrays placed on the default device. On the CPU, int4 codes are
@@ -128,12 +145,13 @@ def is_quantized(w) -> bool:
 
 def check_quantized(w: QuantizedWeight, what: str) -> None:
     """ValueError naming `what` unless the arrays fit together: integer codes [.., N, K], float scales
-    (and offsets) [.., K/G, N] with G dividing K."""
+    (and offsets) [.., K/G, N] with G dividing K, or two levels as `kernels.superblocks.check` says."""
     codes, scales, offsets = w.codes, w.scales, w.offsets
     if codes.dtype not in (jnp.int4, jnp.int8, np.dtype(jnp.int4), np.dtype(np.int8)):
         raise ValueError(f"{what}: quantized codes must be int4 or int8, got {codes.dtype}")
-    if not jnp.issubdtype(scales.dtype, jnp.floating):
+    if w.super_scales is None and not jnp.issubdtype(scales.dtype, jnp.floating):
         raise ValueError(f"{what}: quantized scales must be floating point, got {scales.dtype}")
+    superblocks.check(*w.group_arrays, what)
     *lead, n, k = codes.shape
     groups = scales.shape[-2] if scales.ndim >= 2 else 0
     if scales.shape != (*lead, groups, n) or groups < 1 or k % groups:
@@ -142,8 +160,14 @@ def check_quantized(w: QuantizedWeight, what: str) -> None:
         raise ValueError(f"{what}: offsets {offsets.shape} differ from scales {scales.shape}")
 
 
+def group_scales(scales, offsets=None, super_scales=None, super_offsets=None) -> tuple[Array, Array | None]:
+    """(scales, offsets or None) [..., K/G, N] float32 of a weight's arrays, two levels expanded."""
+    return superblocks.expand(scales, offsets, super_scales, super_offsets)
+
+
 def dequantize_rows(codes: Array, scales: Array, offsets: Array | None) -> Array:
-    """codes [..., N, K], scales (offsets) [..., K/G, N] → w [..., N, K] float32 (rows of the weight's transpose)."""
+    """codes [..., N, K], scales (offsets) [..., K/G, N] (one level: `group_scales` expands two) → w [..., N, K]
+    float32 (rows of the weight's transpose)."""
     *lead, n, k = codes.shape
     groups = scales.shape[-2]
     codes = reorder_codes(codes, scales)
@@ -158,18 +182,19 @@ CPU_TILE_BYTES = 1 << 22  # float32 bytes of one dequantized row tile on the CPU
 
 
 @jax.jit
-def quant_dot(x: Array, codes: Array, scales: Array, *offsets: Array) -> Array:
-    """x [..., K] @ the dequantized weight ([K, N] from codes [N, K], scales (offsets) [K/G, N]) → [..., N] in
-    x's dtype, the dot in float32. One module-level jitted function, so the in-place looped decode can
-    hand it to a kernel that reads the stacked codes in place (`hooks.kernel_quant_dot`).
+def quant_dot(x: Array, codes: Array, scales: Array, *rest: Array) -> Array:
+    """x [..., K] @ the dequantized weight ([K, N] from codes [N, K], scales (offsets) [K/G, N], or two levels:
+    `rest` is the weight's leaves after its scales) → [..., N] in x's dtype, the dot in float32. One
+    module-level jitted function, so the in-place looped decode can hand it to a kernel that reads the
+    stacked codes in place (`hooks.kernel_quant_dot`).
 
     Plain JAX: the dequantized rows times x. On the CPU backend (read at trace time: the engine's
     process runs one backend) the rows are dequantized tile by tile after x exists (`_quant_dot_cpu`);
     the same arithmetic, summed in another order."""
-    offsets_ = offsets[0] if offsets else None
+    scales, offsets = group_scales(*superblocks.weight_arrays((codes, scales, *rest))[1:])  # [K/G, N] f32 each
     if jax.default_backend() == "cpu":
-        return _quant_dot_cpu(x, codes, scales, offsets_)
-    w = dequantize_rows(codes, scales, offsets_)  # [N, K]
+        return _quant_dot_cpu(x, codes, scales, offsets)
+    w = dequantize_rows(codes, scales, offsets)  # [N, K]
     y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w)  # [..., N]
     return y.astype(x.dtype)
 
@@ -220,7 +245,7 @@ def _tile_rows(n: int, cap: int) -> int:
 def matmul(x: Array, w) -> Array:
     """x [..., K] @ w, where w is a dense [K, N] array or a `QuantizedWeight`: what `Linear` computes."""
     if isinstance(w, QuantizedWeight):
-        return quant_dot(x, w.codes, w.scales, *(() if w.offsets is None else (w.offsets,)))
+        return quant_dot(x, *jax.tree.leaves(w))
     return x @ w
 
 
@@ -230,8 +255,8 @@ def embed_rows(w, ids: Array, dtype) -> Array:
     if not isinstance(w, QuantizedWeight):
         return jnp.take(w, ids, axis=0).astype(dtype)
     codes = reorder_codes(jnp.take(w.codes, ids, axis=0), w.scales)  # [..., D] in K order
-    scales = jnp.take(w.scales, ids, axis=1)  # [D/G, ...]
-    offsets = None if w.offsets is None else jnp.take(w.offsets, ids, axis=1)
+    take = lambda a: None if a is None else jnp.take(a, ids, axis=1)  # noqa: E731  [D/G, V] -> [D/G, ...]
+    scales, offsets = group_scales(*map(take, w.group_arrays))  # [D/G, ...] f32 each
     d, groups = codes.shape[-1], scales.shape[0]
     c = codes.astype(jnp.float32).reshape(*ids.shape, groups, d // groups)  # [..., D/G, G]
     rows = c * jnp.moveaxis(scales, 0, -1).astype(jnp.float32)[..., None]

@@ -123,16 +123,23 @@ def quantized_specs(state, global_specs, local_specs):
         if not is_quantized(w):
             return (g, loc)[which]
         k, n = orient(w, g, (g, loc)[which].shape)
-        if which == 1 and k % w.group:
+        block = w.shape[-2] // w.super_scales.shape[-2] if w.super_scales is not None else w.group  # K per scale row
+        if which == 1 and k % block:
             keys = (str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
             name = ".".join(key for key in keys if key != "value")
             raise ValueError(
-                f"{name}: a quantized weight of {w.shape[0]} inputs in groups of {w.group} splits into shards of "
-                f"{k} inputs, which cut a group; use a tp that leaves a multiple of {w.group}, or --dequantize"
+                f"{name}: a quantized weight of {w.shape[0]} inputs in groups of {block} splits into shards of "
+                f"{k} inputs, which cut a group; use a tp that leaves a multiple of {block}, or --dequantize"
             )
-        group = jax.ShapeDtypeStruct((k // w.group, n), w.scales.dtype)
-        offsets = None if w.offsets is None else jax.ShapeDtypeStruct(group.shape, w.offsets.dtype)
-        return dataclasses.replace(w, codes=jax.ShapeDtypeStruct((n, k), w.codes.dtype), scales=group, offsets=offsets)
+        rows = lambda a, per: None if a is None else jax.ShapeDtypeStruct((k // per, n), a.dtype)  # noqa: E731
+        return dataclasses.replace(
+            w,
+            codes=jax.ShapeDtypeStruct((n, k), w.codes.dtype),
+            scales=rows(w.scales, w.group),
+            offsets=rows(w.offsets, w.group),
+            super_scales=rows(w.super_scales, block),
+            super_offsets=rows(w.super_offsets, block),
+        )
 
     return tuple(
         jax.tree_util.tree_map_with_path(

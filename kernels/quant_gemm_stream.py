@@ -28,7 +28,10 @@ of the k-steps it covers into SMEM, once, and each group's product is an s8 wgmm
 scaled in f32 ("Int8 activations" below).
 `QuantStreamBlocks.resolved` picks the placement and tile per format, from measurements (docs/kernels.md).
 
-All weights of one call share K, G and the dtypes of their codes, scales and offsets (or have none).
+All weights of one call share K, G and the dtypes of their codes, scales and offsets (or have none). A weight
+may carry two levels of scales (`kernels.superblocks`: the GGUF K-quants' int8 per group and float16 per
+super-block of 256): each unit's stage then holds its groups' rows of the four arrays, and a compute warpgroup
+multiplies the levels in f32 per group as it takes the group's scale and offset into registers.
 Tested on the CPU through Mosaic GPU's interpreter, and lowered for CUDA on any host; compiled on Hopper.
 """
 
@@ -44,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels import flat_gemm_stream, quant_gemm
+from kernels import flat_gemm_stream, quant_gemm, superblocks
 from kernels.quant_feeds import (
     BIAS_BITS,
     S8_BIAS,
@@ -152,13 +155,14 @@ class _Layout:
     group: int
     stages: int
     wgs: int
-    arrays: int  # arrays per weight: codes, scales (, offsets)
+    groupwise: tuple[str, ...]  # the roles of a weight's arrays after its codes: "scales"(, "offsets")(, "super_...")
     scale_in: str
     feed: str  # int4 codes: "biased", "relabel", "shuffle" (x permuted to match); int8: "int8"; either: "s8"
     bias: int  # what a biased int4 code carries on top of its value (0 unless feed == "biased")
     m8: int  # x's rows padded to 8
     in_flight_asked: int | None = None  # `QuantStreamBlocks.in_flight` once resolved (None: no bound)
     pdl: bool = False  # weights first, then griddepcontrol.wait, then x (`flat_gemm_stream.pdl_prologue`)
+    super_group: int = 0  # K per super-block of two-level scales (`kernels.superblocks`); 0: one level
 
     @property
     def in_flight(self) -> int:  # units whose copies are issued and not yet landed, at most: the ring's stages or fewer
@@ -184,19 +188,30 @@ class _Layout:
     def group_rows(self) -> int:  # rows of the scales (offsets) tile: the unit's groups, or its one group
         return max(1, self.tile_k // self.group)
 
+    @property
+    def arrays(self) -> int:  # arrays per weight: the codes and the groupwise ones
+        return 1 + len(self.groupwise)
+
+    def rows_of(self, role: str) -> int:  # rows of an array's tile in a stage
+        return max(1, self.tile_k // self.super_group) if role.startswith("super") else self.group_rows
+
 
 # ---------------------------------------------------------------------------------------------
 # The kernel
 
 
-def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, slot, barrier):
+def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, slot, barrier, groups=None):
     """Start the TMA copies of one unit into stage `slot`, arriving on barrier[slot]: tile t of `weights`
     (each (codes [L, N, K], scales(, offsets) [L, K/G, N]) with `tiles` tiles, laid out tile-major), k-step
-    kk; its codes [tile_n, tile_k] and the rows of its groups' scales (offsets). tile = (tile_n, tile_k, G)."""
+    kk; its codes [tile_n, tile_k] and the rows of its groups' scales (offsets). tile = (tile_n, tile_k, G);
+    `groups`: K per row of each array after the codes, where they differ from G (two-level scales)."""
     tile_n, tile_k, group = tile
-    group_rows = max(1, tile_k // group)
     ksl = pl.ds(kk * tile_k, tile_k)
-    gsl = pl.ds(lax.div(kk * tile_k, group * group_rows) * group_rows, group_rows)
+
+    def rows(per):  # the rows of an array of one row per `per` values of K that the unit covers
+        count = max(1, tile_k // per)
+        return pl.ds(lax.div(kk * tile_k, per * count) * count, count)
+
     starts = np.cumsum((0,) + tuple(tiles))  # first tile of each weight
     for i, (codes, *groupwise) in enumerate(weights):
 
@@ -204,8 +219,8 @@ def copy_weight_unit(weights, tiles, t, kk, layer, tile, c_smem, group_smems, sl
         def _():
             nsl = pl.ds((t - starts[i]) * tile_n, tile_n)
             plgpu.copy_gmem_to_smem(codes.at[layer, nsl, ksl], c_smem.at[slot], barrier.at[slot])
-            for a, a_smem in zip(groupwise, group_smems):
-                plgpu.copy_gmem_to_smem(a.at[layer, gsl, nsl], a_smem.at[slot], barrier.at[slot])
+            for a, a_smem, per in zip(groupwise, group_smems, groups or [group] * len(groupwise)):
+                plgpu.copy_gmem_to_smem(a.at[layer, rows(per), nsl], a_smem.at[slot], barrier.at[slot])
 
 
 def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
@@ -259,9 +274,9 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
     def issue_weights(j, slot):  # the weight's arrays of the unit of local step j into `slot`
         u = u0 + j
         t, kk = lax.div(u, ks), lax.rem(u, ks)
-        copy_weight_unit(
-            weights, sched.tiles, t, kk, layer, (tile_n, tile_k, lay.group), c_smem, group_smems, slot, produced
-        )
+        tile = (tile_n, tile_k, lay.group)
+        groups = [lay.super_group if r.startswith("super") else lay.group for r in lay.groupwise]
+        copy_weight_unit(weights, sched.tiles, t, kk, layer, tile, c_smem, group_smems, slot, produced, groups)
 
     def issue(j, slot):
         issue_x(j, slot)
@@ -314,7 +329,8 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         with jax.named_scope("wait_xq"):
             plgpu.barrier_wait(xq_ready)  # every compute warpgroup's chunks
 
-    offsets = len(group_smems) > 1
+    role_smem = dict(zip(lay.groupwise, group_smems))
+    offsets = "offsets" in role_smem
 
     @jax.named_scope("wait_stage")
     def wait_produced(slot):  # the unit's copies have landed in `slot`
@@ -345,9 +361,18 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 g = ci * (cw // gw) + gj  # group within the unit
                 yield g, chunk[:, gj * gw : (gj + 1) * gw], x_operand(j, slot, g)
 
-    def per_row(slot, r0, g, which: int, dtype):  # scales (0) or offsets (1) of group g: [rows], row layout
-        grow = g if lay.group <= tile_k else 0
-        return plgpu.load(group_smems[which].at[slot, grow, pl.ds(r0, rows)], layout=row_layout).astype(dtype)
+    def per_row(slot, r0, g, role: str):  # the role's row for group g: [rows] f32, row layout
+        row = (g * gw) // lay.super_group if role.startswith("super") else (g if lay.group <= tile_k else 0)
+        return plgpu.load(role_smem[role].at[slot, row, pl.ds(r0, rows)], layout=row_layout).astype(jnp.float32)
+
+    def scale_offset(slot, r0, g, dtype):  # (scales, offsets or None) of group g: [rows] in dtype, f32 math
+        s = per_row(slot, r0, g, "scales")
+        o = per_row(slot, r0, g, "offsets") if offsets else None
+        if lay.super_group:  # two levels: the products are exact in f32, the offset's sum rounds once
+            s = s * per_row(slot, r0, g, "super_scales")
+            if offsets:
+                o = superblocks.OFFSET_BIAS * s + per_row(slot, r0, g, "super_offsets") * o
+        return s.astype(dtype), None if o is None else o.astype(dtype)
 
     def mma(acc, w, x_t):  # complete on return
         if s8 and bits == 8:
@@ -360,9 +385,10 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         slot = lax.rem(j, lay.stages)
         wait_produced(slot)
         for g, w, x_t in groups(j, slot, r0):
-            w = w * lax.broadcast_in_dim(per_row(slot, r0, g, 0, cdt), w.shape, [0])
+            s, o = scale_offset(slot, r0, g, cdt)
+            w = w * lax.broadcast_in_dim(s, w.shape, [0])
             if offsets:
-                w = w + lax.broadcast_in_dim(per_row(slot, r0, g, 1, cdt), w.shape, [0])
+                w = w + lax.broadcast_in_dim(o, w.shape, [0])
             mma(acc, w, x_t)  # complete on return: the unit's stage is free after its last group
         plgpu.barrier_arrive(consumed.at[slot])
 
@@ -380,8 +406,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
                 mma(accs[g], w, x_t)  # (bias + codes)ᵀ · xᵀ
                 if sums:
                     mma(accs[lay.group_rows + g], ones, x_t)  # every row: Σ_k∈g x[m, k]
-                scales = per_row(slot, r0, g, 0, jnp.float32)
-                offs = per_row(slot, r0, g, 1, jnp.float32) if offsets else None
+                scales, offs = scale_offset(slot, r0, g, jnp.float32)
                 groups_of.append((g, scales, offs))
             return [(accs[g][...], accs[lay.group_rows + g][...] if sums else None, s, o) for g, s, o in groups_of]
 
@@ -405,8 +430,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
             groups_of = []
             for g, w, x_t in groups(j, slot, r0):
                 mma(accs[g], w, x_t)
-                scales = per_row(slot, r0, g, 0, jnp.float32)
-                offs = per_row(slot, r0, g, 1, jnp.float32) if offsets else None
+                scales, offs = scale_offset(slot, r0, g, jnp.float32)
                 gsl = pl.ds(held_group(j, g) * m8, m8)
                 xc = [plgpu.load(xc_smem.at[i, gsl], layout=col_layout) for i in range(xc_smem.shape[0])]
                 groups_of.append((g, scales, offs, xc))
@@ -464,6 +488,24 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 # Kernel wrapper
 
 
+ROLES = ("codes", "scales", "offsets", "super_scales", "super_offsets")
+
+
+def _five(weight) -> tuple:
+    """A weight as (codes, scales, offsets, super_scales, super_offsets), absent ones None."""
+    weight = tuple(weight)
+    return weight + (None,) * (len(ROLES) - len(weight))
+
+
+def _roles(weight) -> tuple[str, ...]:
+    return tuple(r for r, a in zip(ROLES[1:], weight[1:]) if a is not None)
+
+
+def _super_group(weight) -> int:
+    codes, scales, _, supers, _ = weight
+    return 0 if supers is None else codes.shape[-1] // supers.shape[-2]
+
+
 def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
     """UntiledShape / ValueError with the numbers for what the kernel cannot take."""
     m, k = x.shape
@@ -472,15 +514,22 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
     if cfg.in_flight is not None and cfg.in_flight < 1:
         raise ValueError(f"in_flight must be None or at least 1 unit, got {cfg.in_flight}")
     first = weights[0]
-    for codes, scales, offsets in weights:
-        quant_gemm.check_shapes(x, codes, scales, offsets, group, None)
-        if [None if a is None else a.dtype for a in (codes, scales, offsets)] != [
-            None if a is None else a.dtype for a in first
-        ]:
+    dtypes = lambda w: [None if a is None else jnp.dtype(a.dtype) for a in w]  # noqa: E731
+    for w in weights:
+        codes, scales, offsets, supers, super_offsets = w
+        if supers is None:
+            quant_gemm.check_shapes(x, codes, scales, offsets, group, None)
+        else:
+            expanded = jax.eval_shape(superblocks.expand, scales, offsets, supers, super_offsets)
+            quant_gemm.check_shapes(x, codes, *expanded, group, None)
+            superblocks.check(scales, offsets, supers, super_offsets, "quant_gemm_multi")
+        if dtypes(w) != dtypes(first) or _super_group(w) != _super_group(first):
             raise UntiledShape(
-                "the weights of one call must share the codes', scales' and offsets' dtypes, got "
-                + ", ".join(f"{c.dtype}/{s.dtype}/{'-' if o is None else o.dtype}" for c, s, o in weights)
+                "the weights of one call must share their arrays' dtypes and super-blocks, got "
+                + ", ".join("/".join("-" if a is None else jnp.dtype(a.dtype).name for a in w) for w in weights)
             )
+    if (sg := _super_group(first)) and (sg % group or (cfg.tile_k % sg and sg % cfg.tile_k)):
+        raise UntiledShape(f"super-blocks of {sg} must hold whole groups (G={group}) and tile tile_k={cfg.tile_k}")
     if x.dtype not in quant_gemm.X_DTYPES:
         raise UntiledShape(f"the kernel takes bf16 or f16 x, got {x.dtype}")
     if m > MAX_M:
@@ -493,13 +542,15 @@ def _check(x, weights, group: int, cfg: QuantStreamBlocks) -> None:
         raise UntiledShape(f"int8_feed must be 'auto', 's8' or 'convert', got {cfg.int8_feed!r}")
     if feed == "s8" and (why := _s8_shape_error(cfg, group, -(-m // 8) * 8)):
         raise UntiledShape(f"int{bits}_feed='s8' needs {why}")
+    if feed == "s8" and _super_group(first):
+        raise UntiledShape("int8 activations (feed 's8') take one level of scales")
     if feed == "biased" and cfg.scale_in != "acc":
         raise UntiledShape(f"int4_feed='biased' needs scale_in='acc', got {cfg.scale_in!r}")
     if cfg.scale_in not in ("acc", "w", "auto"):
         raise UntiledShape(f"scale_in must be 'acc' or 'w', got {cfg.scale_in!r}")
     if cfg.compute_wgs not in (1, 2, 3, 4) or cfg.tile_n % (64 * cfg.compute_wgs):
         raise UntiledShape(f"tile_n={cfg.tile_n} must be 64 rows per compute warpgroup ({cfg.compute_wgs})")
-    ns = [c.shape[1] for c, _, _ in weights]
+    ns = [w[0].shape[1] for w in weights]
     if k % cfg.tile_k or any(n % cfg.tile_n for n in ns):
         raise UntiledShape(f"K={k} / N={ns} must be multiples of tile_k={cfg.tile_k} / tile_n={cfg.tile_n}")
     if not tile_k_fits(cfg.tile_k, group, bits):
@@ -522,15 +573,14 @@ def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[in
     A stage holds a unit's weight (and, but for s8, its x); s8 holds the CTA's x once, copied and rounded."""
     m, k = x.shape
     m8 = -(-m // 8) * 8
-    codes0, scales0, offsets0 = weights[0]
+    codes0, _, offsets0, _, _ = weights[0]
     bits = code_bits(codes0.dtype)
-    sched = flat_gemm_stream.schedule(k, tuple(c.shape[1] for c, _, _ in weights), cfg.gemm_blocks(), ctas)
+    sched = flat_gemm_stream.schedule(k, tuple(w[0].shape[1] for w in weights), cfg.gemm_blocks(), ctas)
     if bits == 8:
         feed = "s8" if cfg.int8_feed == "s8" else "int8"
     else:
         feed = cfg.int4_feed if group % 32 == 0 else "shuffle"  # whole 32-column blocks
     bias = BIAS_BITS[x.dtype][0] if feed == "biased" else 0
-    arrays = 2 if offsets0 is None else 3
     lay = _Layout(
         sched,
         cfg.tile_n,
@@ -538,16 +588,17 @@ def _plan(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int) -> tuple[in
         group,
         cfg.stages,
         cfg.compute_wgs,
-        arrays,
+        _roles(weights[0]),
         cfg.scale_in,
         feed,
         bias,
         m8,
         in_flight_asked=cfg.in_flight,
+        super_group=_super_group(weights[0]),
     )
-    group_rows = lay.group_rows
     stage_bytes = cfg.tile_k * cfg.tile_n * bits // 8
-    stage_bytes += sum(group_rows * cfg.tile_n * a.dtype.itemsize for a in (scales0, offsets0) if a is not None)
+    groupwise = [a for a in weights[0][1:] if a is not None]
+    stage_bytes += sum(lay.rows_of(r) * cfg.tile_n * a.dtype.itemsize for r, a in zip(lay.groupwise, groupwise))
     fixed = cfg.compute_wgs * 2 * (cfg.tile_n // cfg.compute_wgs) * m8 * 4  # the flush buffers
     if cfg.trace_dir:  # the profiler's buffer: 4 words a region, per warpgroup
         fixed += (cfg.compute_wgs + 1) * 4 * lay.trace_regions * 4
@@ -564,9 +615,10 @@ def resolve_blocks(cfg: QuantStreamBlocks, x, weights, group: int, ctas: int | N
     stages still fit beside the CTA's x, else "relabel" / "convert". Fewer stages starve the pipeline:
     Llama-3.1-8B's gate+up (x of 14 k-steps held, two stages left) measured far slower with s8 than relabelled
     (docs/kernels.md)."""
-    codes0, _, offsets0 = weights[0]
+    weights = tuple(_five(w) for w in weights)
+    codes0, _, offsets0, _, _ = weights[0]
     bits = code_bits(codes0.dtype)
-    ns = [c.shape[1] for c, _, _ in weights]
+    ns = [w[0].shape[1] for w in weights]
     ctas = ctas or cfg.ctas or flat_gemm_stream.default_ctas()
     s8_fits = False
     if cfg.feed_for(bits) == "auto":
@@ -581,20 +633,19 @@ def quant_stream_partials(
 ):
     """(partials [P, M or M8, T·tile_n] f32, schedule): the kernel's raw output, batch-major as
     `flat_gemm_stream.partial_rows` says, unwritten slots as they are.
-    x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None).
+    x [M, K] bf16/f16; weights: tuple of (codes [L, N_i, K], scales [L, K/G, N_i], offsets or None), each
+    optionally followed by two-level scales' super_scales and super_offsets [L, K/S, N_i] (`kernels.superblocks`).
     permuted_codes: the codes' columns are in `permute_k` order (int4 codes in whole 32-column groups,
     as `jaxdecode.quantized` stores them), so the relabelling feed takes x as it is."""
-    weights = tuple(tuple(w) for w in weights)
+    weights = tuple(_five(w) for w in weights)
     m, k = x.shape
     m8 = -(-m // 8) * 8
-    codes0, scales0, offsets0 = weights[0]
+    codes0, _, offsets0, _, _ = weights[0]
     bits = code_bits(codes0.dtype)
     ctas = cfg.ctas or flat_gemm_stream.default_ctas()
     cfg = resolve_blocks(cfg, x, weights, group, ctas)
     _check(x, weights, group, cfg)
-    arrays = 2 if offsets0 is None else 3
     gw = min(group, cfg.tile_k)
-    group_rows = max(1, cfg.tile_k // group)
     fit, lay = _plan(cfg, x, weights, group, ctas)
     if fit < 2:
         raise UntiledShape(f"two pipeline stages do not fit in smem_bytes={cfg.smem_bytes} at M={m}, K={k}")
@@ -607,16 +658,16 @@ def quant_stream_partials(
         x = permute_k(x) if permuted_codes else x  # x in the codes' stored order, then in the feed's
         int4_s8 = permute_k if bits == 4 else lambda a: a  # int8 codes are in K order
         x = {"biased": permute_pairs, "relabel": permute_k, "s8": int4_s8}.get(feed, lambda a: a)(x)
-    groupwise = [a for a in (scales0, offsets0) if a is not None]
+    groupwise = [a for a in weights[0][1:] if a is not None]
     weight_stages = (
         plgpu.SMEM(
             (stages, cfg.tile_n, cfg.tile_k), codes0.dtype, transforms=smem_transforms(load_width(gw, bits), bits)
         ),
-        *(plgpu.SMEM((stages, group_rows, cfg.tile_n), a.dtype) for a in groupwise),
+        *(plgpu.SMEM((stages, lay.rows_of(r), cfg.tile_n), a.dtype) for r, a in zip(lay.groupwise, groupwise)),
         plgpu.SMEM((cfg.compute_wgs, 2, m8, rows), jnp.float32),  # each compute warpgroup's flushes, batch-major
     )
     pipeline_barriers = (
-        plgpu.Barrier(num_arrivals=(not s8) + arrays, num_barriers=stages),  # produced: (x and) the weight's arrays
+        plgpu.Barrier(num_arrivals=(not s8) + lay.arrays, num_barriers=stages),  # produced: (x and) the weight's arrays
         plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=stages),  # consumed: every compute warpgroup
     )
     if s8:  # the CTA's x as copied, rounded and its constants; x copied, x rounded by every compute warpgroup
@@ -626,7 +677,7 @@ def quant_stream_partials(
             plgpu.SMEM((2 + (offsets0 is not None), lay.x_rows), jnp.float32),
             *weight_stages,
             *pipeline_barriers,
-            plgpu.Barrier(num_arrivals=lay.ks_held * group_rows),
+            plgpu.Barrier(num_arrivals=lay.ks_held * lay.group_rows),
             plgpu.Barrier(num_arrivals=cfg.compute_wgs),
         )
     else:
@@ -667,7 +718,8 @@ def quant_stream_partials(
 @functools.partial(jax.jit, static_argnames=("group", "out_dtype", "block_sizes", "permuted_codes", "interpret"))
 def quant_gemm_multi(
     x: jax.Array,  # [M, K]
-    weights,  # tuple of (codes [L, N_i, K] or [N_i, K], scales [L, K/G, N_i] or [K/G, N_i], offsets or None)
+    weights,  # tuple of (codes [L, N_i, K] or [N_i, K], scales [L, K/G, N_i] or [K/G, N_i], offsets or None[, two
+    # levels' super_scales, super_offsets or None]: `kernels.superblocks`)
     layer: jax.Array | int | None = None,
     *,
     group: int,
@@ -682,11 +734,11 @@ def quant_gemm_multi(
 
     Equivalent to the following JAX code, up to that rounding of each scaled weight:
 
-      tuple(quant_gemm.quant_gemm_reference(x, c, s, o, layer, group=group, out_dtype=out_dtype)
-            for c, s, o in weights)
+      tuple(quant_gemm.quant_gemm_reference(x, c, *superblocks.expand(s, o, ss, so), layer, group=group,
+                                            out_dtype=out_dtype) for c, s, o, ss, so in weights)
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    weights = tuple(tuple(w) for w in weights)
+    weights = tuple(_five(w) for w in weights)
     if all(w[0].ndim == 2 for w in weights):
         weights = tuple(tuple(None if a is None else a[None] for a in w) for w in weights)
         layer = 0

@@ -1,6 +1,8 @@
 """kernels/quant_gemm_stream.py against quant_gemm's reference: compiled on Hopper, interpreted on the CPU.
 
-Grid: int4 and int8 codes; G = 32, 128 and per-channel (G = K); with and without offsets; M = 1, 5, 8;
+Grid: int4 and int8 codes; G = 32, 128 and per-channel (G = K); with and without offsets; one level of scales
+and two (the K-quants' int8 per group and f16 per super-block of 256, in units of half, one and two
+super-blocks); M = 1, 5, 8;
 one weight and three (q·k·v widths); one and two compute warpgroups; stacked (traced layer index) and
 unstacked; schedules whose tiles span several CTAs (several partial-sum slots). The interpreter runs
 the three warpgroups, their barriers, the TMA copies and the wgmmas (operands through SMEM there);
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import flat_gemm_stream
+from kernels import flat_gemm_stream, superblocks
 from kernels import quant_feeds as qf
 from kernels import quant_gemm as qg
 from kernels import quant_gemm_stream as qs
@@ -53,6 +55,8 @@ class Case:
     feed: str = "biased"  # int4_feed
     x: str = "bfloat16"
     permuted: bool = False  # codes stored in permute_k order (permuted_codes=True), as the engine keeps int4
+    two_level: bool = False  # int8 sub-scales (sub-offsets) and f16 super-block ones, as the repacked K-quants
+    tile_k: int = 128
 
     @property
     def g(self) -> int:
@@ -101,8 +105,20 @@ CASES = {
     "int4_g128_m8_relabel_w_f16scales_offsets": Case(
         8, "int4", 128, ns=(256, 256), offsets=True, feed="relabel", scale_in="w", scales="float16", permuted=True
     ),
+    # two levels, as the repacked K-quants: Q4_K (int4, G = 32, offsets) on the engine's two int4 feeds, Q6_K
+    # (int8, G = 16), Q5_K (int8, G = 32, offsets); units of half a super-block, one, and two
+    "int4_g32_m5_qkv_two_level_offsets": Case(5, "int4", 32, ns=(256, 128, 128), offsets=True, two_level=True),
+    "int4_g32_m1_two_level_relabel_w_permuted": Case(
+        1, "int4", 32, offsets=True, two_level=True, feed="relabel", scale_in="w", permuted=True, tile_k=256
+    ),
+    "int8_g16_m8_two_level": Case(8, "int8", 16, two_level=True, tile_k=256),
+    "int8_g32_m8_two_level_w_offsets_wide_unit": Case(
+        8, "int8", 32, ns=(256, 128), offsets=True, two_level=True, scale_in="w", tile_k=512
+    ),
 }
-S8_CASES = [name for name, case in CASES.items() if case.feed == "s8"]
+# interpreted in a process of their own (`interpreted.py`): the s8 feed, and the two-level stages of four or five
+# arrays, whose interpreted barriers deadlocked on two cores beside XLA:CPU's concurrency-optimized scheduler
+OWN_PROCESS = [name for name, case in CASES.items() if case.feed == "s8" or case.two_level]
 # 8 CTAs off the GPU; K = 512 is 4 units per tile, so tiles span two or three CTAs
 BLOCKS = qs.QuantStreamBlocks(tile_n=128, tile_k=128, stages=2, ctas=8)
 
@@ -114,6 +130,18 @@ def _weight(key, case: Case, n: int):
     codes = jax.random.randint(ks[0], (LAYERS, n, case.k), -hi, hi, jnp.int32).astype(cdt)  # [L, N, K]
     groups = case.k // case.g
     unit = 1.0 / (hi / np.sqrt(3) * np.sqrt(case.k))  # 1 / (code rms · √K)
+    if case.two_level:  # 6-bit sub-scales and mins as the K-quants', f16 super-block d and -dmin of the same size
+        supers = (LAYERS, case.k // superblocks.SUPER_GROUP, n)
+        sub = jax.random.randint(ks[1], (LAYERS, groups, n), 1, 64, jnp.int32).astype(jnp.int8)
+        d = (jax.random.uniform(ks[2], supers, jnp.float32, 0.5, 1.5) * unit / 32).astype(jnp.float16)
+        weight = (codes, sub, None, d, None)
+        if case.offsets:  # the offset 8·s - dmin·m: centred on zero by dmin ~ 8·d·(mean sc) / (mean m)
+            m = jax.random.randint(ks[0], (LAYERS, groups, n), 0, 64, jnp.int32).astype(jnp.int8)
+            dmin = (-8 * d.astype(jnp.float32) * jax.random.uniform(ks[1], supers, jnp.float32, 0.8, 1.2)).astype(
+                d.dtype
+            )
+            weight = (codes, sub, m, d, dmin)
+        return weight if case.stacked else tuple(None if a is None else a[0] for a in weight)
     scales = (jax.random.uniform(ks[1], (LAYERS, groups, n), jnp.float32, 0.5, 1.5) * unit).astype(case.scales)
     offsets = None
     if case.offsets:  # Σ_g offsets · xsum: xsum ~ N(0, G)
@@ -134,12 +162,13 @@ def _check_case(name: str, blocks: qs.QuantStreamBlocks, interpret: bool) -> Non
     """CASES[name] through quant_gemm_multi against the reference of its feed."""
     case = CASES[name]
     x, weights, layer = _inputs(case)
-    stored = tuple((qg.permute_k(c), s, o) for c, s, o in weights) if case.permuted else weights
+    stored = tuple((qg.permute_k(w[0]), *w[1:]) for w in weights) if case.permuted else weights
     outs = qs.quant_gemm_multi(
         x, stored, layer, group=case.g, block_sizes=blocks, permuted_codes=case.permuted, interpret=interpret
     )
     assert len(outs) == len(weights)
-    for out, (c, s, o) in zip(outs, weights):
+    for out, (c, *groupwise) in zip(outs, weights):
+        s, o = superblocks.expand(*groupwise) if case.two_level else groupwise
         assert out.dtype == jnp.dtype(case.x)
         if case.feed == "s8":
             ref = qs.quant_gemm_s8_reference(x, c, s, o, layer, group=case.g)
@@ -169,6 +198,7 @@ class TestQuantStream:
             compute_wgs=case.wgs,
             tile_n=max(128, 64 * case.wgs),
             scale_in=case.scale_in,
+            tile_k=case.tile_k,
             int4_feed=case.feed,
             int8_feed="s8" if case.feed == "s8" else "convert",
         )
@@ -176,8 +206,8 @@ class TestQuantStream:
 
     @pytest.mark.parametrize("name", list(CASES))
     def test_matches_reference(self, name):
-        if self.INTERPRET and name in S8_CASES:
-            pytest.skip("interpreted in a process of its own: test_s8_feed_interpreted_matches_reference")
+        if self.INTERPRET and name in OWN_PROCESS:
+            pytest.skip("interpreted in a process of its own: test_own_process_cases_interpreted_match_reference")
         _check_case(name, self._blocks(CASES[name]), self.INTERPRET)
 
     @pytest.mark.parametrize("in_flight", [1, 2])
@@ -208,9 +238,9 @@ class TestQuantStream:
 class TestQuantStreamInterpret(TestQuantStream):
     INTERPRET = True
 
-    def test_s8_feed_interpreted_matches_reference(self):
-        """The s8 feed's cases, interpreted in a process of its own: with two or more units per CTA and a
-        compute warpgroup reading a stage's constants, Mosaic GPU's interpreter deadlocks on two cores
+    def test_own_process_cases_interpreted_match_reference(self):
+        """The s8 feed's and the two-level cases, interpreted in a process of its own: with two or more units per
+        CTA and a compute warpgroup reading a stage's constants, Mosaic GPU's interpreter deadlocks on two cores
         unless XLA:CPU's concurrency-optimized scheduler is off (as in test_kernels_quant_mlp)."""
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env["XLA_FLAGS"] = (
@@ -219,7 +249,7 @@ class TestQuantStreamInterpret(TestQuantStream):
         root = pathlib.Path(__file__).resolve().parent.parent
         code = (
             "import sys; sys.path.insert(0, 'tests'); import test_kernels_quant_stream as t\n"
-            "for name in t.S8_CASES:\n"
+            "for name in t.OWN_PROCESS:\n"
             "    t._check_case(name, t.TestQuantStreamInterpret()._blocks(t.CASES[name]), True)\n"
             "    print('ok', name, flush=True)\n"
         )
@@ -227,7 +257,7 @@ class TestQuantStreamInterpret(TestQuantStream):
             [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=900
         )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        assert done.stdout.count("ok ") == len(S8_CASES)
+        assert done.stdout.count("ok ") == len(OWN_PROCESS)
 
     def test_every_written_slot_is_written(self):
         """The interpreter's GMEM starts as NaN: a slot the schedule calls written but no CTA wrote shows up."""

@@ -168,7 +168,8 @@ def test_repack_equals_gguf_dequantize(qtype):
     check_quantized(qw, "test")
     ref = quants.dequantize(blocks, qtype)  # [rows, K] float32
     got = np.asarray(qw.dequantize()).T  # [rows, K]
-    offsets = 0.0 if qw.offsets is None else np.repeat(np.abs(np.asarray(qw.offsets)), qw.group, axis=0).T
+    expanded = qw.group_scales()[1]
+    offsets = 0.0 if expanded is None else np.repeat(np.abs(np.asarray(expanded)), qw.group, axis=0).T
     assert np.all(np.abs(got - ref) <= F32_EPS * (offsets + np.abs(ref)))
     if qw.offsets is None or qtype in (QT.Q4_1, QT.Q5_1):  # f16 d, m: the recentred offset is exact
         np.testing.assert_array_equal(got, ref)

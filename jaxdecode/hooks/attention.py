@@ -82,7 +82,7 @@ def kernel_qkv_attend(
     rows = decode_attention.query_rows(1, group)  # q's rows per kv head, as the attention kernel lays them out
     if quantized:
         bits = quant_gemm.code_bits(quantized[0][0].stack.dtype)
-        tile_n = quant_blocks.resolved(widths, len(quantized[0]) == 3, bits).tile_n
+        tile_n = quant_blocks.resolved(widths, stream_arrays(quantized)[0][2] is not None, bits).tile_n
         fits = (impl is not None or on_hopper_16bit(x)) and batch <= quant_gemm_stream.MAX_M
         if partials is None:
             group_size = d // quantized[0][1].stack.shape[1]

@@ -13,7 +13,16 @@ from jax import lax
 
 from jaxdecode.looping import SplitSum, StackedRef, outside_runs
 from jaxdecode.quantized import in_kernel_order
-from kernels import dispatch, flat_gemm, flat_gemm_stream, quant_gemm, quant_gemm_stream, quant_mlp, quant_mlp_owned
+from kernels import (
+    dispatch,
+    flat_gemm,
+    flat_gemm_stream,
+    quant_gemm,
+    quant_gemm_stream,
+    quant_mlp,
+    quant_mlp_owned,
+    superblocks,
+)
 
 
 def _gemm_impl(m: int, n: int, k: int, dtype, block_sizes: flat_gemm.BlockSizes, weights: int = 1) -> str | None:
@@ -72,17 +81,29 @@ def kernel_stacked_dot(
 
 
 def quantized_weights(refs, count: int):
-    """The leaves of `count` quantized weights as the hooks receive them (codes, scales(, offsets) each,
-    `StackedRef`s of [L, N, K] and [L, K/G, N] stacks), grouped per weight; None for dense weights,
-    biases among the leaves, or a leaf count that does not split evenly into weights. Formats that differ
-    between the weights (group size, dtypes) are left to the kernel's own shape check."""
+    """The leaves of `count` quantized weights as the hooks receive them (codes, scales(, offsets) each, or
+    two levels of scales: `kernels.superblocks.weight_arrays`; `StackedRef`s of [L, N, K] and [L, K/., N]
+    stacks), grouped per weight; None for dense weights, biases among the leaves, or a leaf count that does
+    not split evenly into weights. Formats that differ between the weights (group size, dtypes) are left to
+    the kernel's own shape check."""
     if not refs or len(refs) % count or not all(isinstance(r, StackedRef) and r.stack.ndim == 3 for r in refs):
         return None
     per = len(refs) // count
     weights = [tuple(refs[i : i + per]) for i in range(0, len(refs), per)]
-    if per not in (2, 3) or any(not jnp.issubdtype(w[0].stack.dtype, jnp.integer) for w in weights):
+    if any(not jnp.issubdtype(w[0].stack.dtype, jnp.integer) for w in weights):
         return None
+    try:
+        arrays = [superblocks.weight_arrays([r.stack for r in w]) for w in weights]
+    except ValueError:  # a leaf count no quantized weight has
+        return None
+    if len({tuple(a is None for a in w) for w in arrays}) > 1:
+        return None  # one level and two mixed in one call
     return weights
+
+
+def two_level(weights) -> bool:
+    """Whether the weights' scales have two levels (`kernels.superblocks`)."""
+    return any(jnp.issubdtype(w[1].stack.dtype, jnp.integer) for w in weights)
 
 
 def on_hopper_16bit(x) -> bool:
@@ -90,8 +111,9 @@ def on_hopper_16bit(x) -> bool:
 
 
 def stream_arrays(weights):
-    """(codes, scales, offsets or None) stacks per weight, for `kernels.quant_gemm_stream`."""
-    return tuple((w[0].stack, w[1].stack, w[2].stack if len(w) == 3 else None) for w in weights)
+    """(codes, scales, offsets, super_scales, super_offsets) stacks per weight, absent ones None, for
+    `kernels.quant_gemm_stream`."""
+    return tuple(superblocks.weight_arrays([r.stack for r in w]) for w in weights)
 
 
 def codes_permuted(weights) -> bool:
@@ -105,7 +127,7 @@ def kernel_quant_dot(
     x,
     codes,
     scales,
-    *offsets,
+    *rest,
     impl: str | None = None,
     block_sizes: quant_gemm.QuantBlocks = quant_gemm.QuantBlocks(),
     stream_blocks: quant_gemm_stream.QuantStreamBlocks = quant_gemm_stream.QuantStreamBlocks(),
@@ -113,18 +135,23 @@ def kernel_quant_dot(
 ):
     """The `stacked_calls["quant_dot"]` hook: x [..., K] times layer i of a quantized weight stack, codes
     [L, N, K] and scales (offsets) [L, K/G, N] read in place; outside the looped runs, a plain quantized
-    weight (codes [N, K]: the output projection). impl "stream" (the default for M <= 64 on Hopper:
+    weight (codes [N, K]: the output projection). `rest`: the weight's leaves after its scales (offsets, or
+    two levels: `kernels.superblocks`). impl "stream" (the default for M <= 64 on Hopper:
     `kernels.quant_gemm_stream`, every SM busy to the end) or "mosaic" (`kernels.quant_gemm`, one tile
-    per CTA, M up to 256). Returns [y [..., N]], or None (the call then runs as written: XLA
-    dequantizes and dots): off Hopper, activations that are not 16-bit, M past the kernels' limits, or
-    shapes they do not tile. An explicit `impl` (tests: with `interpret=True`) skips the device and
+    per CTA, M up to 256, one level of scales). Returns [y [..., N]], or None (the call then runs as
+    written: XLA dequantizes and dots): off Hopper, activations that are not 16-bit, M past the kernels'
+    limits, or shapes they do not tile. An explicit `impl` (tests: with `interpret=True`) skips the device and
     dtype checks, not the tiling."""
-    refs = (codes, scales, *offsets)
+    refs = (codes, scales, *rest)
     stacked = all(isinstance(r, StackedRef) for r in refs)
     plain = not any(isinstance(r, StackedRef) for r in refs) and codes.ndim == 2
-    if not (stacked or plain) or len(offsets) > 1 or isinstance(x, StackedRef):
+    if not (stacked or plain) or isinstance(x, StackedRef):
         return None
     arrays = [r.stack for r in refs] if stacked else list(refs)  # [L, ...] stacks, or one layer's arrays
+    try:
+        weight = superblocks.weight_arrays(arrays)  # (codes, scales, offsets, super_scales, super_offsets)
+    except ValueError:  # not a quantized weight's leaves
+        return None
     index = codes.index if stacked else None
     *lead, k = x.shape
     m = int(np.prod(lead, dtype=int))
@@ -133,9 +160,8 @@ def kernel_quant_dot(
         if not on_hopper_16bit(x):
             return None
         impl = "stream" if m <= quant_gemm_stream.MAX_M else "mosaic"
-    if m > dispatch.MOSAIC_MAX_M:
-        return None
-    weight = (arrays[0], arrays[1], arrays[2] if offsets else None)
+    if m > dispatch.MOSAIC_MAX_M or (impl != "stream" and weight[3] is not None):
+        return None  # the tile-per-CTA kernel takes one level of scales
     permuted = in_kernel_order(arrays[0], arrays[1])
     try:
         if impl == "stream":
@@ -151,7 +177,7 @@ def kernel_quant_dot(
         else:
             y = quant_gemm.quant_gemm(
                 x.reshape(m, k),
-                *weight,
+                *weight[:3],
                 index,
                 group=k // groups,
                 impl=impl,
@@ -219,8 +245,8 @@ def kernel_mlp(
     if design not in ("phases", "owned"):
         raise ValueError(f"kernel_mlp design must be 'phases' or 'owned', got {design!r}")
     weights = quantized_weights((w_gate, w_up, w_down, *quantized), 3)
-    if weights is None or (impl is None and not on_hopper_16bit(x)):
-        return None
+    if weights is None or two_level(weights) or (impl is None and not on_hopper_16bit(x)):
+        return None  # the MLP kernels take one level of scales
     *lead, d = x.shape
     m = int(np.prod(lead, dtype=int))
     group = d // weights[0][1].stack.shape[1]
