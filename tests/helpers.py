@@ -21,6 +21,7 @@ from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from jaxdecode.bench.peers import hf_config
 from jaxdecode.config import ModelConfig
+from jaxdecode.weights.quant import FORMATS
 
 # -- Hugging Face reference models ------------------------------------------------------------------
 
@@ -223,3 +224,15 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def random_blocks(qtype, rows: int, k: int, rng) -> np.ndarray:
+    """Random bytes for [rows, K] values of GGML type `qtype`, with its float16 scale fields finite."""
+    fmt = FORMATS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * k // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
+    fields = fmt.split(blocks)
+    for name in ("d", "dmin", "m"):
+        if name in fields:
+            d = (rng.normal(size=(blocks.shape[0], 1)) * 0.01).astype(np.float16)
+            fields[name][:] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)

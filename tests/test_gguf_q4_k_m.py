@@ -17,7 +17,9 @@ from gguf.quants import dequantize as ref_dequantize
 from jaxdecode.decode import Engine
 from jaxdecode.loading import load_model
 from jaxdecode.weights import read_gguf
+from jaxdecode.weights.gguf import gguf_device_bytes
 from jaxdecode.weights.quant import dequantize
+from jaxdecode.weights.repack import repacked_bytes
 
 PATH = Path(__file__).parent / "data" / "tiny-llama-q4_k_m.gguf"
 FALLBACK = {QT.Q5_0, QT.Q5_1, QT.Q8_0}  # what Q4_K / Q5_K / Q6_K become on rows not a multiple of 256
@@ -139,3 +141,31 @@ def test_greedy_generation_matches_numpy_forward(engine, ref_tensors):
     got = eng.generate([PROMPT], max_new_tokens=N_NEW).token_ids[0]
     assert got == want
     assert loaded.tokenizer.decode(got)  # every id is a real token
+
+
+# bits a value of each type: in the file (llama.cpp's block sizes) and as `repack` lays it out on the device
+FILE_BITS = {QT.Q4_K: 144 * 8 / 256, QT.Q6_K: 210 * 8 / 256, QT.Q5_0: 22 * 8 / 32, QT.Q8_0: 34 * 8 / 32}
+DEVICE_BITS = {
+    QT.Q4_K: 4 + (1 + 1) * 8 / 32 + (2 + 2) * 8 / 256,  # int4 codes; u6 scale and min per 32; f16 d, dmin per 256
+    QT.Q6_K: 8 + 8 / 16 + 2 * 8 / 256,  # 6-bit codes in int8; int8 scale per 16; f16 d per 256
+    QT.Q5_0: 8 + 2 * 8 / 32,  # 5-bit codes in int8; the file's f16 d per 32
+    QT.Q8_0: 8 + 2 * 8 / 32,
+}
+
+
+def test_a_decode_step_reads_within_10_percent_of_the_file_bytes():
+    """#25's bound on the file's own layout: a decode step reads every repacked matrix once (the embedding table
+    for one row) and the norms, from the header (`gguf_device_bytes`, the preflight's count), at most 1.1 times the
+    file's tensor bytes. The KV cache, the same on both sides, is left out. Each type at its hand-counted bits."""
+    f = read_gguf(PATH)
+    reader = gguf.GGUFReader(PATH)
+    file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    for t in reader.tensors:
+        if t.tensor_type in DEVICE_BITS:
+            values = int(np.prod([int(d) for d in t.shape]))
+            assert file_bytes[t.name] * 8 == values * FILE_BITS[t.tensor_type], t.name
+            assert repacked_bytes(t.tensor_type, *f.info(t.name).shape) * 8 == values * DEVICE_BITS[t.tensor_type]
+    table = f.info("token_embd.weight")
+    device = gguf_device_bytes(f, 4, keep_quantized=True)  # the norms at the file's float32
+    step = device - repacked_bytes(table.ggml_type, *table.shape) + table.shape[-1] * 4  # one row of the table
+    assert step <= 1.10 * sum(file_bytes.values()), (step, sum(file_bytes.values()))

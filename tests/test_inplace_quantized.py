@@ -7,6 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf.constants import GGMLQuantizationType as QT
+from helpers import random_blocks
+from interpreted import run_json
 
 from jaxdecode.config import ModelConfig
 from jaxdecode.decode import Engine
@@ -16,6 +19,7 @@ from jaxdecode.model import Hook, init_random, quantize_weights
 from jaxdecode.model import qkv_attend as model_qkv_attend
 from jaxdecode.model import swiglu as model_swiglu
 from jaxdecode.quantized import matmul, quantize
+from jaxdecode.weights.repack import repack
 from kernels.decode_attention import BlockSizes as AttentionBlocks
 from kernels.quant_gemm_stream import QuantStreamBlocks
 
@@ -97,6 +101,47 @@ def test_swiglu_and_quant_dot_hooks_with_quantized_weights_equal_the_model():
     _close(got, model_swiglu(x, gate, up))
     (got,) = kernel_quant_dot(x, *leaves[6:], impl="stream", stream_blocks=BLOCKS, interpret=True)
     _close(got, matmul(x, down))
+
+
+def _two_level_stacks():
+    """gate and up as Q4_K (int4 codes, two levels with offsets) and down as Q6_K (int8 codes in groups of 16, two
+    levels), each repacked from random GGUF blocks for 3 layers and stacked: (layer LAYER's weights, the leaves)."""
+    rng = np.random.default_rng(7)
+    d = f = 256  # K-quant rows hold whole super-blocks of 256
+
+    def stack(qtype, rows, k):  # the weight [k, rows] of GGUF rows [rows, k]
+        layers = [repack(random_blocks(qtype, rows, k, rng), qtype, (rows, k), "test") for _ in range(3)]
+        return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+    stacked = [stack(QT.Q4_K, f, d), stack(QT.Q4_K, f, d), stack(QT.Q6_K, d, f)]
+    index = jnp.int32(LAYER)
+    one = [jax.tree.map(lambda a: a[LAYER], w) for w in stacked]
+    return one, [[StackedRef(a, index) for a in jax.tree.leaves(w)] for w in stacked]
+
+
+def two_level_hooks_equal_the_model() -> dict:
+    """The interpreted hooks on two-level stacks against the model's functions (run in a process of its own)."""
+    x = jax.random.normal(jax.random.key(5), (2, 1, 256), jnp.float32).astype(jnp.bfloat16)
+    (gate, up, down), (g_leaves, u_leaves, d_leaves) = _two_level_stacks()
+    assert (len(g_leaves), len(d_leaves)) == (5, 3)  # codes, sc, m, d, -dmin; codes, sc, d
+    (got,) = kernel_swiglu(x, *g_leaves, *u_leaves, impl="stream", quant_blocks=BLOCKS, interpret=True)
+    _close(got, model_swiglu(x, gate, up))
+    (got,) = kernel_quant_dot(x, *d_leaves, impl="stream", stream_blocks=BLOCKS, interpret=True)
+    _close(got, matmul(x, down))
+    return {"ok": True}
+
+
+def test_two_level_k_quant_hooks_equal_the_model():
+    """Q4_K gate/up in one launch and a Q6_K down, their scales in two levels, against `model.swiglu` and
+    `quant_dot` (XLA on the expanded scales); the kernels that take one level decline them."""
+    assert run_json(
+        "import sys; sys.path.insert(0, 'tests'); import test_inplace_quantized as t, json; "
+        "print(json.dumps(t.two_level_hooks_equal_the_model()))"
+    ) == {"ok": True}
+    x = jnp.zeros((2, 1, 256), jnp.bfloat16)
+    _, (g_leaves, u_leaves, d_leaves) = _two_level_stacks()
+    assert kernel_quant_dot(x, *d_leaves, impl="mosaic", interpret=True) is None
+    assert kernel_mlp(x, *g_leaves, *u_leaves, *g_leaves, impl="fused", interpret=True) is None  # 3 Q4_K
 
 
 ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_kind for s in ("H100", "H200"))

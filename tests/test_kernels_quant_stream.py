@@ -315,6 +315,10 @@ LOWERED = {  # name: (M, codes dtype, G, offsets, N_i...): Llama-3.1-8B's K; int
     "int4_g128_offsets_m1_gate": (1, jnp.int4, 128, True, (14336,)),
     "int4_g32_m8_gate_up": (8, jnp.int4, 32, False, (14336, 14336)),
     "int8_g128_m1_one": (1, jnp.int8, 128, False, (4096,)),
+    # two levels (`kernels.superblocks`): Q4_K's q·k·v and gate/up, Q6_K's down (int8 codes in groups of 16)
+    "q4_k_two_level_m1_qkv": (1, jnp.int4, 32, True, (4096, 1024, 1024)),
+    "q4_k_two_level_m8_gate_up": (8, jnp.int4, 32, True, (14336, 14336)),
+    "q6_k_two_level_m1_one": (1, jnp.int8, 16, False, (4096,)),
 }
 
 
@@ -324,12 +328,16 @@ def test_lowers_for_hopper_on_any_host(name):
     skips) down to its LLVM-level module, on a machine without a GPU."""
     m, cdt, group, offsets, ns = LOWERED[name]
     k, layers = 4096, 4
+    two = "two_level" in name
+    sub = jnp.int8 if two else jnp.float16
+    per_super = lambda n: jax.ShapeDtypeStruct((layers, k // superblocks.SUPER_GROUP, n), jnp.float16)  # noqa: E731
     weights = tuple(
         (
             jax.ShapeDtypeStruct((layers, n, k), cdt),
-            jax.ShapeDtypeStruct((layers, k // group, n), jnp.float16),
-            jax.ShapeDtypeStruct((layers, k // group, n), jnp.float16) if offsets else None,
+            jax.ShapeDtypeStruct((layers, k // group, n), sub),
+            jax.ShapeDtypeStruct((layers, k // group, n), sub) if offsets else None,
         )
+        + ((per_super(n), per_super(n) if offsets else None) if two else ())
         for n in ns
     )
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as QT
+from helpers import random_blocks
 from test_default_model import PROMPTS_CHAT, PROMPTS_RAW
 
 from jaxdecode import quantized
@@ -29,7 +30,6 @@ from jaxdecode.looping import outside_runs
 from jaxdecode.memory import estimate
 from jaxdecode.model import Hook, init_random, quantize_weights
 from jaxdecode.quantized import QuantizedWeight, check_quantized, matmul, quant_dot, quantize
-from jaxdecode.weights.quant import FORMATS
 from jaxdecode.weights.repack import REPACKED, repack, repacked_bytes
 from kernels.quant_gemm import QuantBlocks
 
@@ -144,18 +144,6 @@ def test_quant_dot_equals_the_dense_dot_of_the_dequantized_weight():
     np.testing.assert_array_equal(got, np.asarray(quant_dot(jnp.asarray(x), qw.codes, qw.scales, qw.offsets)))
 
 
-def _random_blocks(qtype, rows, k, rng) -> np.ndarray:
-    """Random bytes for [rows, K] values of `qtype`, with its float16 scale fields finite."""
-    fmt = FORMATS[qtype]
-    blocks = rng.integers(0, 256, size=(rows * k // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
-    fields = fmt.split(blocks)
-    for name in ("d", "dmin", "m"):
-        if name in fields:
-            d = (rng.normal(size=(blocks.shape[0], 1)) * 0.01).astype(np.float16)
-            fields[name][:] = d.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
 @pytest.mark.parametrize("qtype", REPACKED, ids=[q.name for q in REPACKED])
 def test_repack_equals_gguf_dequantize(qtype):
     """The repacked codes, scales and offsets give gguf.quants.dequantize's values: exactly, except where a
@@ -163,7 +151,7 @@ def test_repack_equals_gguf_dequantize(qtype):
     rounding, half an ulp of the offset plus half an ulp of the value."""
     rng = np.random.default_rng(int(qtype))
     rows, k = 6, 512
-    blocks = _random_blocks(qtype, rows, k, rng)
+    blocks = random_blocks(qtype, rows, k, rng)
     qw = repack(blocks, qtype, (rows, k), "test")
     check_quantized(qw, "test")
     ref = quants.dequantize(blocks, qtype)  # [rows, K] float32

@@ -258,7 +258,8 @@ def kernel_mlp(
         kernel, kw = quant_mlp.quant_mlp, dict(block_sizes=block_sizes, permuted_codes=codes_permuted(weights))
     layer = weights[0][0].index
     try:
-        y = kernel(x.reshape(m, d), *stream_arrays(weights), layer, group=group, interpret=interpret, **kw)
+        arrays = (w[:3] for w in stream_arrays(weights))  # codes, scales, offsets: one level
+        y = kernel(x.reshape(m, d), *arrays, layer, group=group, interpret=interpret, **kw)
     except quant_gemm.UntiledShape:
         return None
     return [y.astype(x.dtype).reshape(*lead, d)]  # [M, D]: f32 from "owned", x's dtype from "phases"
