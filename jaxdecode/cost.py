@@ -6,6 +6,7 @@ N query heads, K kv heads, H head dim, F ffn width, V vocab, L layers, and `w` b
 Per step, for the whole batch:
 - weight bytes read   = w * (L * P_layer + D + V*D [lm head, or the tied embedding] + B*D [embedding rows]);
                         quantized, the projections and V*D at their codes' bits plus a scale per group
+                        (`projection_bytes`; a mix such as Q4_K_M per projection)
 - KV bytes read       = w * 2 * L * B * S * K * H
 - KV bytes written    = w * 2 * L * B * K * H
 - matmul FLOPs        = 2 * B * (L * P_matmul_layer + V*D)
@@ -21,6 +22,7 @@ comparison: FLOPs = 2 * n_params + 8 * L * D * S, bytes = w * n_params + KV read
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdecode.config import ModelConfig
+from jaxdecode.kquants import FALLBACK, K_FORMATS, MIXES, mix_format
 from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, SCALE_DTYPE, QuantizedWeight, weight_bytes
 
 GIB = 2**30
@@ -68,6 +71,40 @@ def quantized_bytes(params: int, quantize: str, group: int = DEFAULT_GROUP, scal
     return params * QUANTIZE_FORMATS[quantize] // 8 + params // group * per_group
 
 
+def kquant_bytes(k: int, n: int, fmt: str) -> int:
+    """Bytes of a [K, N] weight in K-quant `fmt` as `kquants.quantize_k` stores it: codes (int4 for Q4_K, int8 for
+    Q6_K) and int8 sub-scales (and mins) per group, float16 d (and dmin) per 256; a K not a multiple of 256 in
+    its fallback (float16 scales)."""
+    if k % 256:
+        base, group = FALLBACK[fmt]
+        return quantized_bytes(k * n, base, math.gcd(group, k), jnp.float16)
+    mins = fmt == "q4_k"  # Q4_K has offsets: a min per group, dmin per super-block
+    code_bits = 4 if fmt == "q4_k" else 8
+    return k * n * code_bits // 8 + (k // K_FORMATS[fmt]) * n * (1 + mins) + (k // 256) * n * 2 * (1 + mins)
+
+
+def projection_bytes(cfg: ModelConfig, quantize: str, group: int = DEFAULT_GROUP, scale_dtype=SCALE_DTYPE) -> int:
+    """Bytes of every projection and the output projection (V·D) under `--quantize` `quantize`: a uniform format
+    (`quantized_bytes`) or a mix, each projection at its format (`kquant_bytes`)."""
+    projections = cfg.n_layers * matmul_params_per_layer(cfg) + cfg.vocab_size * cfg.dim
+    if quantize not in MIXES:
+        return quantized_bytes(projections, quantize, group, scale_dtype)
+    shapes = {  # [K, N] of each projection of a layer
+        "q_proj": (cfg.dim, cfg.q_dim),
+        "k_proj": (cfg.dim, cfg.kv_dim),
+        "v_proj": (cfg.dim, cfg.kv_dim),
+        "o_proj": (cfg.q_dim, cfg.dim),
+        "gate_proj": (cfg.dim, cfg.ffn_dim),
+        "up_proj": (cfg.dim, cfg.ffn_dim),
+        "down_proj": (cfg.ffn_dim, cfg.dim),
+    }
+    total = kquant_bytes(cfg.dim, cfg.vocab_size, mix_format(quantize, "lm_head", None, cfg.n_layers))
+    for layer in range(cfg.n_layers):
+        for name, (k, n) in shapes.items():
+            total += kquant_bytes(k, n, mix_format(quantize, name, layer, cfg.n_layers))
+    return total
+
+
 def decode_cost(
     cfg: ModelConfig,
     *,
@@ -80,9 +117,9 @@ def decode_cost(
     scale_dtype=SCALE_DTYPE,
 ) -> DecodeCost:
     """FLOPs and bytes of one decode step at `context` cached tokens (formulas in the module docstring).
-    `quantize` ("int8" | "int4"): the projections and the output projection (lm_head or the tied table)
-    are read as `model.quantize_weights` stores them (scales and offsets in `scale_dtype`); norms, the
-    cache and the activations stay at `itemsize`.
+    `quantize` ("int8" | "int4" | "q4_k_m"): the projections and the output projection (lm_head or the tied
+    table) are read as `model.quantize_weights` stores them (`projection_bytes`; int8/int4's scales and offsets in
+    `scale_dtype`); norms, the cache and the activations stay at `itemsize`.
     `weight_bytes` (`step_weight_bytes` of a built model) replaces the weights' count."""
     if batch < 1 or context < 0:
         raise ValueError(f"need batch >= 1 and context >= 0, got batch={batch}, context={context}")
@@ -92,7 +129,7 @@ def decode_cost(
     if weight_bytes is None and quantize is None:
         weight_bytes = itemsize * (projections + rest)
     elif weight_bytes is None:
-        weight_bytes = quantized_bytes(projections, quantize, group, scale_dtype) + itemsize * rest
+        weight_bytes = projection_bytes(cfg, quantize, group, scale_dtype) + itemsize * rest
     return DecodeCost(
         weight_bytes=weight_bytes,
         kv_read_bytes=itemsize * batch * context * kv_row,

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxdecode.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_preset, shard_config
 from jaxdecode.decode import Engine, default_dtype
+from jaxdecode.kquants import QUANTIZE_CHOICES
 from jaxdecode.looped_model import default_loop_mode
 from jaxdecode.memory import preflight
 from jaxdecode.model import (
@@ -36,7 +37,7 @@ from jaxdecode.model import (
     rope_inv_freq,
 )
 from jaxdecode.progress import phase
-from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, is_quantized
+from jaxdecode.quantized import DEFAULT_GROUP, is_quantized
 from jaxdecode.tokenizer import Tokenizer
 from jaxdecode.tp import TPForward, make_mesh
 from jaxdecode.weights.checks import WeightsError, not_regular
@@ -78,8 +79,8 @@ def load_model(
     `check_memory`, a model whose weights, packing copy and a 4k-token cache cannot fit on the device is
     refused (`jaxdecode.memory.preflight`). Once placed, every weight is checked finite (`check_finite`).
     """
-    if quantize is not None and quantize not in QUANTIZE_FORMATS:
-        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_FORMATS)}, got {quantize!r}")
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
     itemsize = jnp.dtype(dtype).itemsize
     if spec in PRESETS and spec != DEFAULT_MODEL:
         cfg = get_preset(spec)

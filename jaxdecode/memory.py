@@ -21,7 +21,7 @@ import jax
 
 from jaxdecode.cache import cache_bytes
 from jaxdecode.config import ModelConfig, shard_config
-from jaxdecode.cost import matmul_params_per_layer, quantized_bytes
+from jaxdecode.cost import matmul_params_per_layer, projection_bytes
 
 GB = 1e9
 
@@ -57,13 +57,13 @@ def estimate(
     weight_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Bytes on one device; with tp > 1 those of one of tp devices (ValueError if tp cannot split cfg).
-    `quantize`: the projections as `model.quantize_weights` stores them (`cost.quantized_bytes`);
+    `quantize`: the projections as `model.quantize_weights` stores them (`cost.projection_bytes`);
     `weight_bytes`: the weights' size when the caller knows it (a GGUF file kept quantized)."""
     shard = shard_config(cfg, tp) if tp != 1 else cfg
     weights = shard.n_params * itemsize if weight_bytes is None else weight_bytes
     if quantize is not None:
         projections = shard.n_layers * matmul_params_per_layer(shard) + shard.vocab_size * shard.dim
-        weights += quantized_bytes(projections, quantize) - projections * itemsize
+        weights += projection_bytes(shard, quantize) - projections * itemsize
     workspace = batch * cfg.vocab_size * 4 * 2 + 16 * batch * context * max(cfg.dim, shard.ffn_dim) * 4 // 1024
     return MemoryEstimate(weights, weights if looped else 0, cache_bytes(shard, batch, context, itemsize), workspace)
 

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode.config import ModelConfig, TensorParallel
+from jaxdecode.kquants import K_FORMATS, MIXES, mix_format, quantize_k
 from jaxdecode.quantized import DEFAULT_GROUP, SCALE_DTYPE, check_quantized, embed_rows, is_quantized, matmul, quantize
 from kernels import allreduce
 
@@ -415,7 +416,9 @@ def init_random(
         shape = node.get_value().shape
         if path[-1] == "weight" and len(shape) == 2 or tuple(path[-2:]) in tied_table:
             k, n = shape[::-1] if tuple(path[-2:]) in tied_table else shape  # the table [V, D] is the head's [N, K]
-            node.set_value(_random_quantized(sub, k, n, quantize, math.gcd(group, k)))
+            layer = path[1] if path[0] == "layers" else None
+            fmt = projection_format(quantize, "lm_head" if layer is None else path[-2], layer, cfg.n_layers)
+            node.set_value(_random_quantized(sub, k, n, fmt, math.gcd(group, k)))
         elif len(shape) == 2:  # an untied embedding table [V, D]
             node.set_value((jax.random.normal(sub, shape, jnp.float32) * shape[1] ** -0.5).astype(dtype))
         else:  # norm weights, biases
@@ -426,7 +429,20 @@ def init_random(
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _random_quantized(key, k: int, n: int, fmt: str, group: int):
     """A normal [K, N] weight scaled 1/sqrt(K), quantized, in one jitted call (the dense draw is freed)."""
-    return quantize(jax.random.normal(key, (k, n), jnp.float32) * k**-0.5, fmt, group)
+    return quantize_projection(jax.random.normal(key, (k, n), jnp.float32) * k**-0.5, fmt, group)
+
+
+def projection_format(quantize: str, projection: str, layer: int | None, layers: int) -> str:
+    """The format one projection takes under `--quantize` (a format, or a mix's choice: `kquants.mix_format`)."""
+    return mix_format(quantize, projection, layer, layers) if quantize in MIXES else quantize
+
+
+def quantize_projection(w, fmt: str, group: int = DEFAULT_GROUP, scale_dtype=SCALE_DTYPE):
+    """A dense [K, N] weight as `fmt`: int8 / int4 per `group` (`quantized.quantize`) or a K-quant
+    (`kquants.quantize_k`, whose groups and scales are the format's)."""
+    if fmt in K_FORMATS:
+        return quantize_k(w, fmt)
+    return quantize(w, fmt, group, scale_dtype)
 
 
 def place_quantized(model: Transformer) -> Transformer:
@@ -488,26 +504,28 @@ def load_state_dict(model: Transformer, tensors: dict[str, np.ndarray]) -> Trans
 
 
 def quantize_weights(model: Transformer, fmt: str, group: int = DEFAULT_GROUP, scale_dtype=SCALE_DTYPE) -> Transformer:
-    """Quantize every projection in place (`jaxdecode.quantized.quantize`: round to nearest, per group of
-    `group` values along the input axis, scales in `scale_dtype`), and the output projection: lm_head, or
-    the embedding table a tied model shares with it. An untied embedding stays dense (decode reads B rows
-    of it a step).
-    Weights already quantized are left as they are."""
+    """Quantize every projection in place, and the output projection: lm_head, or the embedding table a tied
+    model shares with it. An untied embedding stays dense (decode reads B rows of it a step).
+    `fmt`: "int8" | "int4" (`jaxdecode.quantized.quantize`: round to nearest, per group of `group` values along
+    the input axis, scales in `scale_dtype`), a K-quant ("q4_k" | "q6_k") or a mix of them ("q4_k_m"), as
+    `jaxdecode.kquants` makes them. Weights already quantized are left as they are."""
+    layers = len(model.layers)
 
-    def convert(param: nnx.Param, transposed: bool = False) -> None:
+    def convert(param: nnx.Param, projection: str, layer: int | None, transposed: bool = False) -> None:
         w = param.get_value()
         if not is_quantized(w):
             w = w.T if transposed else w  # [K, N]
             # a width that `group` does not divide (SmolLM2's 576) takes the largest divisor of both
-            param.set_value(quantize(w, fmt, math.gcd(group, w.shape[0]), scale_dtype))
+            kind = projection_format(fmt, projection, layer, layers)
+            param.set_value(quantize_projection(w, kind, math.gcd(group, w.shape[0]), scale_dtype))
 
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            convert(getattr(layer.self_attn, p).weight)
+            convert(getattr(layer.self_attn, p).weight, p, i)
         for p in ("gate_proj", "up_proj", "down_proj"):
-            convert(getattr(layer.mlp, p).weight)
+            convert(getattr(layer.mlp, p).weight, p, i)
     if model.lm_head is not None:
-        convert(model.lm_head.weight)
+        convert(model.lm_head.weight, "lm_head", None)
     else:
-        convert(model.embed_tokens.embedding, transposed=True)  # [V, D] is the tied projection's [N, K]
+        convert(model.embed_tokens.embedding, "lm_head", None, transposed=True)  # [V, D]: the projection's [N, K]
     return model

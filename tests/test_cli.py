@@ -206,10 +206,10 @@ def test_bench_that_measures_nothing_exits_2(capsys):
 def test_the_parser_copies_of_jax_modules_names_equal_the_originals():
     """build_parser imports no JAX (tests/test_imports.py), so it holds copies: --quantize's choices and the
     tune subcommand, whose arguments kernels.tune adds when the subparser is first used."""
-    from jaxdecode.quantized import QUANTIZE_FORMATS
+    from jaxdecode import kquants
     from kernels.tune import add_parser
 
-    assert QUANTIZE_CHOICES == tuple(QUANTIZE_FORMATS)
+    assert QUANTIZE_CHOICES == kquants.QUANTIZE_CHOICES
     reference = _Parser(prog="jaxdecode")
     add_parser(reference.add_subparsers(dest="command", parser_class=_Parser))
     ours = build_parser()

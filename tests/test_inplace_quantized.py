@@ -157,12 +157,14 @@ TAKEN = {"tiny-quant-gpu": {"quant_dot", "swiglu", "qkv_attend"}, "tiny-quant-na
 @pytest.mark.parametrize("cfg", [CFG_DEFAULT_TILES, CFG_NARROW], ids=lambda c: c.name)
 @pytest.mark.parametrize("quant_hooks", ["kernels", "xla"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_compiled_default_hooks_equal_unrolled(batch, quant_hooks, cfg):
+@pytest.mark.parametrize("fmt", ["int4", "q4_k_m"])
+def test_compiled_default_hooks_equal_unrolled(fmt, batch, quant_hooks, cfg):
     """On Hopper, the engine's own hooks (no overrides but counting): one decode step through the fused
     quantized kernels, compiled, against the unrolled model; the hooks the shapes allow each took a call.
     quant_hooks="xla" turns the three quantized hooks off (the in-place loop slices the int4 stacks and XLA
-    dequantizes): it separates a fault of the kernels from one of the looped path around them."""
-    model = quantize_weights(init_random(cfg, seed=5, dtype=jnp.bfloat16), "int4", group=32)
+    dequantizes): it separates a fault of the kernels from one of the looped path around them. fmt "q4_k_m":
+    two-level Q4_K and Q6_K (layer 1's v and down, the head), which a layer's q·k·v launch declines there."""
+    model = quantize_weights(init_random(cfg, seed=5, dtype=jnp.bfloat16), fmt, group=32)
     calls: list = []
 
     def counted(name, hook):
