@@ -86,7 +86,7 @@ VARIANTS = {  # name: (load_model keywords, Engine keywords[, `quantize_weights`
         dict(hooks={Hook.QUANT_DOT: int8_activations_dot}),
     ),
     "int4 g32": (dict(quantize="int4", group=32), {}),
-    "q4_k_m (Q4_K / Q6_K; int4 / int8 g32 where 576 wide)": (dict(quantize="q4_k_m"), {}),
+    "q4_k_m (Q4_K and Q6_K, int4 and int8 g32 where 576 wide)": (dict(quantize="q4_k_m"), {}),
 }
 
 

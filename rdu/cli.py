@@ -39,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantize",
-        choices=("int8", "int4"),
+        choices=("int8", "int4", "q4_k_m"),  # jaxdecode.kquants.QUANTIZE_CHOICES
         default=None,
         help="weights quantized as `jaxdecode --quantize` stores them (default: dense)",
     )

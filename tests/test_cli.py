@@ -208,8 +208,12 @@ def test_the_parser_copies_of_jax_modules_names_equal_the_originals():
     tune subcommand, whose arguments kernels.tune adds when the subparser is first used."""
     from jaxdecode import kquants
     from kernels.tune import add_parser
+    from rdu import cli as rdu_cli
 
     assert QUANTIZE_CHOICES == kquants.QUANTIZE_CHOICES
+    rdu_parser = rdu_cli.add_parser(argparse.ArgumentParser().add_subparsers())
+    rdu_quantize = next(a for a in rdu_parser._actions if a.dest == "quantize")  # rdu's own copy
+    assert tuple(rdu_quantize.choices) == kquants.QUANTIZE_CHOICES
     reference = _Parser(prog="jaxdecode")
     add_parser(reference.add_subparsers(dest="command", parser_class=_Parser))
     ours = build_parser()
