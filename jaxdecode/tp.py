@@ -123,13 +123,15 @@ def quantized_specs(state, global_specs, local_specs):
         if not is_quantized(w):
             return (g, loc)[which]
         k, n = orient(w, g, (g, loc)[which].shape)
-        block = w.shape[-2] // w.super_scales.shape[-2] if w.super_scales is not None else w.group  # K per scale row
+        two_level = w.super_scales is not None
+        block = w.shape[-2] // w.super_scales.shape[-2] if two_level else w.group  # K per row of the top scales
         if which == 1 and k % block:
             keys = (str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
             name = ".".join(key for key in keys if key != "value")
+            unit = "super-block" if two_level else "group"
             raise ValueError(
-                f"{name}: a quantized weight of {w.shape[0]} inputs in groups of {block} splits into shards of "
-                f"{k} inputs, which cut a group; use a tp that leaves a multiple of {block}, or --dequantize"
+                f"{name}: a quantized weight of {w.shape[0]} inputs in {unit}s of {block} splits into shards of "
+                f"{k} inputs, which cut a {unit}; use a tp that leaves a multiple of {block}, or --dequantize"
             )
         rows = lambda a, per: None if a is None else jax.ShapeDtypeStruct((k // per, n), a.dtype)  # noqa: E731
         return dataclasses.replace(

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxdecode.config import ModelConfig
+
 RTOL = 1e-5  # f32; TP only reorders the sums of o_proj and down_proj (psum of tp partial sums)
 
 
@@ -128,17 +130,25 @@ def _compare_residual_norm(cfg) -> dict:
     return {**out, "hook_axes": sorted(set(ran))}
 
 
-def _group_cut() -> str:
-    """Groups of 16 over 2 devices: down's 80 inputs (and o's 48) split into shards of 40 (24), which cut a group."""
+def _group_cut(cfg_name: str = "tiny-gqa", fmt: str = "int4") -> str:
+    """Groups of 16 over 2 devices: down's 80 inputs (and o's 48) split into shards of 40 (24), which cut a group.
+    fmt "q4_k_m" on KQUANT_CUT: o's 256 inputs split into shards of 128, which cut a super-block of 256."""
     from jaxdecode.config import PRESETS
     from jaxdecode.decode import Engine
     from jaxdecode.model import init_random, quantize_weights
 
+    cfg = PRESETS.get(cfg_name, KQUANT_CUT)
     try:
-        Engine(quantize_weights(init_random(PRESETS["tiny-gqa"], seed=5), "int4", group=16), tp=2)
+        Engine(quantize_weights(init_random(cfg, seed=5), fmt, group=16), tp=2)
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+# K-quants over 2 devices: every shard of a row-parallel weight (o: 512 inputs, down: 1024) holds whole super-blocks
+# of 256; 3 layers, the last with v and down in Q6_K (two runs of equal layers). KQUANT_CUT: o's shards of 128 do not.
+KQUANT = ModelConfig("tiny-kquant-tp", 97, 512, 3, 4, 2, 1024, head_dim=128, max_seq_len=64)
+KQUANT_CUT = ModelConfig("tiny-kquant-cut", 97, 256, 1, 2, 2, 512, head_dim=128, max_seq_len=64)
 
 
 def _default_model_tp3() -> dict:
@@ -206,6 +216,8 @@ def worker(devices: int) -> dict:
                 gqa.replace(name="tiny-gqa-tied", tie_embeddings=True), 2, loop=False, quantize="int4"
             ),
             "group_cut": _group_cut(),
+            "kquant_looped": _compare(KQUANT, 2, loop=True, quantize="q4_k_m"),
+            "kquant_cut": _group_cut("tiny-kquant-cut", "q4_k_m"),
             "engine_freed": _engine_freed(gqa),
         }
     mha = PRESETS["tiny-mha"]  # N 4, K 4, F 80, V 97 -> 100
@@ -296,6 +308,16 @@ def test_default_model_on_3_devices_answers_like_one(results):
 def test_quantized_shards_that_cut_a_group_are_refused_with_the_numbers(results):
     msg = results[2]["group_cut"]
     assert "down_proj" in msg and "80 inputs in groups of 16" in msg and "shards of 40 inputs" in msg, msg
+    msg = results[2]["kquant_cut"]  # two levels: the unit a shard must hold is the super-block
+    assert "o_proj" in msg and "256 inputs in super-blocks of 256" in msg and "shards of 128 inputs" in msg, msg
+
+
+def test_k_quants_split_over_two_devices_as_on_one(results):
+    """Q4_K_M (two-level Q4_K and Q6_K, layers of two formats) over 2 devices: the same logits as one device, up
+    to f32 summation order, and the same greedy tokens."""
+    r = results[2]["kquant_looped"]
+    assert r["rel"] < 1e-5 and r["tokens_tp"] == r["tokens_one"], r
+    assert r["scans"] == [2], r  # layers 0 and 1 share a scan; layer 2 (v and down in Q6_K) runs on its own
 
 
 def test_tp_runs_the_qkv_epilogue_kernel(results):
