@@ -1,6 +1,6 @@
 """Quality and CPU speed of quantized weights on the shipped SmolLM2-135M-Instruct, in one process.
 
-    python benchmarks/quant_quality.py [--out DIR] [--text PATH] [--tokens 512] [--variants "A;B"]
+    python benchmarks/quant_quality.py [--out DIR] [--text PATH] [--tokens 512] [--variants "A;B"] [--gguf PATH]
 
 Variants: the reference (the GGUF file's Q4_1 weights dequantized to float32, today's path before
 quantized weights were kept), the file kept quantized (Q4_1 repacked, `jaxdecode.weights.repack`),
@@ -110,10 +110,18 @@ def main(argv=None) -> int:
     p.add_argument(
         "--variants", default=None, help="';'-separated names of VARIANTS (default: all; the first is the reference)"
     )
+    p.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        help="a variant more: this GGUF file kept quantized, named by its file name (e.g. the shipped model "
+        "requantized by llama.cpp: tests/data/make_q4_k_m.py --from)",
+    )
     args = p.parse_args(argv)
+    variants = VARIANTS | {os.path.basename(path) + ", kept": (dict(spec=path), {}) for path in args.gguf}
     rows, ref_logp, ref_greedy = [], None, None
-    for name, (kw, engine_kw, *requantize) in VARIANTS.items():
-        if args.variants and name not in args.variants.split(";"):
+    for name, (kw, engine_kw, *requantize) in variants.items():
+        if args.variants and name not in args.variants.split(";") and kw.get("spec") not in args.gguf:
             continue
         loaded = load_model(**kw)
         if requantize:  # as load_model(quantize=...) does, with keywords it does not take

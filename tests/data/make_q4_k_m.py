@@ -17,6 +17,11 @@ The dimensions make Q4_K_M mix its types the way it does on real models: Q4_K by
 output and for attn_v/ffn_down in the layers llama.cpp's `use_more_bits` picks (2 and 3 of 4), and, because
 the ffn width 704 is not a multiple of 256, the ffn_down rows fall back to 32-value blocks (Q4_K → Q5_0,
 Q6_K → Q8_0). tests/test_gguf_q4_k_m.py reads the result.
+
+    python tests/data/make_q4_k_m.py /path/to/llama-quantize --from SRC.gguf OUT.gguf
+
+requantizes any GGUF file instead (its metadata as it is, its tensors dequantized to float32 by gguf.quants, then
+Q4_K_M): the shipped SmolLM2 for benchmarks/quant_quality.py's `--gguf` (not committed: 100 MB).
 """
 
 from __future__ import annotations
@@ -134,16 +139,38 @@ def write_f32(path: Path) -> None:
     w.close()
 
 
+def write_f32_copy(src: Path, path: Path) -> None:
+    """`src`'s metadata and tensors, every tensor dequantized to float32 (gguf.quants), as one float32 GGUF."""
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(path), str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue  # the writer's own, and the type the file no longer has
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))  # numpy order
+        w.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main() -> None:
-    binary = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("LLAMA_QUANTIZE")
+    args = sys.argv[1:]
+    binary = args[0] if args and args[0] != "--from" else os.environ.get("LLAMA_QUANTIZE")
     if not binary:
         sys.exit(__doc__)
+    src, out = (Path(args[-2]), Path(args[-1])) if "--from" in args else (None, OUT)
     with tempfile.TemporaryDirectory() as tmp:
-        f32 = Path(tmp) / "tiny-llama-f32.gguf"
-        write_f32(f32)
-        subprocess.run([binary, str(f32), str(OUT), "Q4_K_M"], check=True)
-    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(OUT).tensors)
-    print(f"{OUT}: {OUT.stat().st_size} bytes, tensor types {dict(types)}")
+        f32 = Path(tmp) / "f32.gguf"
+        write_f32_copy(src, f32) if src else write_f32(f32)
+        subprocess.run([binary, str(f32), str(out), "Q4_K_M"], check=True)
+    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(out).tensors)
+    print(f"{out}: {out.stat().st_size} bytes, tensor types {dict(types)}")
     assert {"Q4_K", "Q6_K"} <= types.keys() and types.keys() & {"Q5_0", "Q5_1", "Q8_0"}, "Q4_K_M did not mix"
 
 
