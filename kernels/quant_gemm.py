@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels import flat_gemm
+from kernels import flat_gemm, superblocks
 
 CODE_DTYPES = (jnp.int4, jnp.int8)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -148,17 +148,19 @@ def _kernel(
     layer_gmem,  # [1] int32
     x_gmem,  # [M8, K]
     codes_gmem,  # [L, N, K] int4 / int8
-    scales_gmem,  # [L, K/G, N]
-    *rest,  # (offsets_gmem [L, K/G, N],) o_gmem [splits, N, M8] f32; keyword-only parameters follow
+    *rest,  # the `roles`' arrays ([L, K/G, N], super-blocks [L, K/256, N]), o_gmem [splits, N, M8] f32
+    roles: tuple[str, ...],  # "scales"(, "offsets": under scale_in="w")(, "super_scales"(, "super_offsets"))
     tile_n: int,
     tile_k: int,
     group: int,
+    super_group: int,  # K per super-block of two-level scales (`kernels.superblocks`); 0: one level
     steps: int,
     stages: int,
     scale_in: str,
     interpret: bool,
 ):
-    *offsets_gmem, o_gmem = rest  # offsets only under scale_in="w"
+    *group_gmems, o_gmem = rest
+    offsets = "offsets" in roles
     m8 = x_gmem.shape[0]
     cdt = x_gmem.dtype
     layer = layer_gmem[0]
@@ -177,27 +179,36 @@ def _kernel(
             for j in range(cw // gw):
                 yield c * (cw // gw) + j, chunk[:, j * gw : (j + 1) * gw]
 
-    def scale(s_smem, g):  # [tile_n] in the row layout
-        return plgpu.load(s_smem.at[g], layout=row)
+    def scale_offset(g_smems, g):  # (scales, offsets or None) of group g: [tile_n] f32 in the row layout
+        smem = dict(zip(roles, g_smems))
+
+        def load(role):
+            at = (g * gw) // super_group if role.startswith("super") else g
+            return plgpu.load(smem[role].at[at], layout=row).astype(jnp.float32)
+
+        return superblocks.scale_offset(load, offsets, bool(super_group))
 
     def x_cols(x_smem, g):  # xᵀ of group g: [gw, M8], the wgmma RHS
         return x_smem.at[:, pl.ds(g * gw, gw)].T
 
     t0 = si * steps  # this CTA's first global k-step
     # rows of the scales (offsets) tile: its gps groups, or the one group (G > tile_k) that step t lies in
-    group_rows = plgpu.BlockSpec((gps, tile_n), lambda k: ((t0 + k) * tile_k // (gps * group), ni))
+    def rows_of(per: int):  # the rows of a per-group (or per-super-block) array that step k covers
+        count = max(1, tile_k // per)
+        return plgpu.BlockSpec((count, tile_n), lambda k: ((t0 + k) * tile_k // (count * per), ni))
+
     specs = [
         plgpu.BlockSpec((m8, tile_k), lambda k: (0, t0 + k), transforms=smem_transforms(gw, 16)),
         plgpu.BlockSpec((tile_n, tile_k), lambda k: (ni, t0 + k), transforms=smem_transforms(cw, bits)),
-        group_rows,
-    ] + [group_rows] * len(offsets_gmem)
+    ] + [rows_of(super_group if role.startswith("super") else group) for role in roles]
     # views: layer l read in place
-    gmems = (x_gmem, codes_gmem.at[layer], scales_gmem.at[layer], *(o.at[layer] for o in offsets_gmem))
+    gmems = (x_gmem, codes_gmem.at[layer], *(a.at[layer] for a in group_gmems))
 
     if scale_in == "acc":
-        assert not offsets_gmem, "offsets are added in the wrapper under scale_in='acc'"
+        assert not offsets, "offsets are added in the wrapper under scale_in='acc'"
 
-        def step(_, x_smem, c_smem, s_smem, total):  # total [tile_n, M8] f32
+        def step(_, x_smem, c_smem, *refs):  # refs: the roles' SMEM tiles, then total [tile_n, M8] f32
+            *g_smems, total = refs
             for g, w in groups(c_smem):
 
                 def part_scope(acc):
@@ -205,7 +216,7 @@ def _kernel(
                     return acc[...]
 
                 part = pl.run_scoped(part_scope, plgpu.ACC((tile_n, m8), jnp.float32))  # [tile_n, M8]
-                s = scale(s_smem, g).astype(jnp.float32)  # [tile_n]
+                s, _ = scale_offset(g_smems, g)  # [tile_n]
                 total = total + part * lax.broadcast_in_dim(s, part.shape, [0])
             return total
 
@@ -216,12 +227,12 @@ def _kernel(
     elif scale_in == "w":
 
         def acc_scope(acc):  # acc [tile_n, M8] f32
-            def step(_, x_smem, c_smem, s_smem, *o_smem):
+            def step(_, x_smem, c_smem, *g_smems):
                 for g, w in groups(c_smem):  # w [tile_n, gw]
-                    s = scale(s_smem, g).astype(cdt)  # [tile_n]
-                    w = w * lax.broadcast_in_dim(s, w.shape, [0])
-                    if o_smem:
-                        w = w + lax.broadcast_in_dim(scale(o_smem[0], g).astype(cdt), w.shape, [0])
+                    s, o = scale_offset(g_smems, g)  # [tile_n]
+                    w = w * lax.broadcast_in_dim(s.astype(cdt), w.shape, [0])
+                    if offsets:
+                        w = w + lax.broadcast_in_dim(o.astype(cdt), w.shape, [0])
                     mma_from_registers(acc, w, x_cols(x_smem, g), interpret)  # complete on return
 
             plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*gmems)
@@ -287,18 +298,19 @@ def check_shapes(x, codes, scales, offsets, group: int, cfg: QuantBlocks | None)
         )
 
 
-def _mosaic_call(layer, x, codes, scales, offsets, group: int, cfg: QuantBlocks, interpret: bool):
-    """Partial sums [splits, N, M8] f32; `offsets` (or None) go into the kernel, which needs scale_in="w"."""
+def _mosaic_call(layer, x, codes, group_arrays, group: int, cfg: QuantBlocks, interpret: bool):
+    """Partial sums [splits, N, M8] f32. group_arrays: {role: array} of `superblocks.scale_offset`'s roles, offsets
+    (and super_offsets) only where they go into the kernel, which needs scale_in="w"."""
     m, k = x.shape  # x [M, K]
     n = codes.shape[1]  # codes [L, N, K]
     m8 = -(-m // 8) * 8
     bits = code_bits(codes.dtype)
+    roles = tuple(r for r in ("scales", "offsets", "super_scales", "super_offsets") if r in group_arrays)
+    super_group = k // group_arrays["super_scales"].shape[1] if "super_scales" in group_arrays else 0
 
-    group_tiles = (scales,) if offsets is None else (scales, offsets)
-
-    def stage_bytes(c: QuantBlocks) -> int:  # x tile + codes tile + scales (and offsets) tiles
-        gps = max(1, c.tile_k // group)
-        rows = sum(gps * c.tile_n * a.dtype.itemsize for a in group_tiles)
+    def stage_bytes(c: QuantBlocks) -> int:  # x tile + codes tile + the groupwise tiles
+        per = lambda r: super_group if r.startswith("super") else group  # noqa: E731
+        rows = sum(max(1, c.tile_k // per(r)) * c.tile_n * group_arrays[r].dtype.itemsize for r in roles)
         return c.tile_k * (m8 * x.dtype.itemsize + c.tile_n * bits // 8) + rows
 
     # Large M: halve tile_k (while the halves still tile the groups) until two stages fit.
@@ -312,11 +324,15 @@ def _mosaic_call(layer, x, codes, scales, offsets, group: int, cfg: QuantBlocks,
     stages = max(1, min(cfg.max_concurrent_steps, steps // splits, cfg.smem_bytes // per_stage))
     if per_stage > cfg.smem_bytes:
         raise UntiledShape(f"one pipeline stage of {per_stage} bytes exceeds smem_bytes={cfg.smem_bytes} at M={m}")
+    if super_group and cfg.tile_k % super_group and super_group % cfg.tile_k:
+        raise UntiledShape(f"super-blocks of {super_group} must tile tile_k={cfg.tile_k} or be tiled by it")
     kernel = functools.partial(
         _kernel,
+        roles=roles,
         tile_n=cfg.tile_n,
         tile_k=cfg.tile_k,
         group=group,
+        super_group=super_group,
         steps=steps // splits,
         stages=stages,
         scale_in=cfg.scale_in,
@@ -328,25 +344,23 @@ def _mosaic_call(layer, x, codes, scales, offsets, group: int, cfg: QuantBlocks,
         grid=(n // cfg.tile_n, splits),
         grid_names=("n", "k"),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-    )(layer.reshape(1), jnp.pad(x, ((0, m8 - m), (0, 0))), codes, *group_tiles)
+    )(layer.reshape(1), jnp.pad(x, ((0, m8 - m), (0, 0))), codes, *(group_arrays[r] for r in roles))
 
 
-def _stacked(codes, scales, offsets, layer):
-    """Unstacked [N, K] / [K/G, N] -> stacked with L = 1 and layer 0; stacked ones need a layer."""
-    if codes.ndim == 2:
-        lift = lambda a: None if a is None else a[None]
-        return lift(codes), lift(scales), lift(offsets), jnp.zeros((), jnp.int32)
+def _stacked(arrays, layer):
+    """Unstacked [N, K] / [K/., N] arrays (None kept) -> stacked with L = 1 and layer 0; stacked ones need a layer."""
+    if arrays[0].ndim == 2:
+        return tuple(None if a is None else a[None] for a in arrays), jnp.zeros((), jnp.int32)
     if layer is None:
         raise ValueError("stacked codes [L, N, K] need a layer index")
-    return codes, scales, offsets, jnp.asarray(layer, jnp.int32)
+    return arrays, jnp.asarray(layer, jnp.int32)
 
 
-def _offset_term(x, offsets, layer, group: int):
-    """Σ_g xsum[m, g] · offsets[l, g, n]: [M, N] f32 (xsum: x summed over each group's K columns)."""
+def _offset_term(x, offsets, group: int):
+    """Σ_g xsum[m, g] · offsets[g, n]: [M, N] f32 (xsum: x summed over each group's K columns; offsets [K/G, N])."""
     m, k = x.shape
     xsum = x.astype(jnp.float32).reshape(m, k // group, group).sum(axis=-1)  # [M, K/G]
-    off = lax.dynamic_index_in_dim(offsets, layer, axis=0, keepdims=False).astype(jnp.float32)  # [K/G, N]
-    return jnp.dot(xsum, off, precision=lax.Precision.HIGHEST)  # [M, N]
+    return jnp.dot(xsum, offsets.astype(jnp.float32), precision=lax.Precision.HIGHEST)  # [M, N]
 
 
 def permute_k(a):
@@ -376,35 +390,50 @@ def quant_gemm(
     permuted_codes: bool = False,
     interpret: bool = False,
     out_dtype=None,
+    super_scales: jax.Array | None = None,  # two levels (`kernels.superblocks`): [L, K/256, N] or [K/256, N]
+    super_offsets: jax.Array | None = None,
 ) -> jax.Array:
     """y [M, N] = x · dequantize(codes, scales, offsets)[layer], f32 accumulation, cast to out_dtype
     (default x.dtype). The stacked codes are read in place (no copy of layer l); the kernel does not
     clamp `layer`, which must lie in [0, L). permuted_codes: the codes' columns are in `permute_k`
-    order (whole 32-column groups; x is permuted to match, which leaves the group sums alone).
+    order (whole 32-column groups; x is permuted to match, which leaves the group sums alone). With
+    super_scales (super_offsets), scales (offsets) are int8 sub-scales and the kernel multiplies the levels.
 
     Equivalent to the following JAX code:
 
-      w = dequantize_reference(codes[layer], scales[layer], offsets[layer], group=group)  # [K, N] f32
+      s, o = superblocks.expand(scales, offsets, super_scales, super_offsets)
+      w = dequantize_reference(codes[layer], s[layer], o[layer], group=group)  # [K, N] f32
       y = jnp.dot(x.astype(jnp.float32), w).astype(out_dtype)
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    codes, scales, offsets, layer = _stacked(codes, scales, offsets, layer)
+    (codes, scales, offsets, super_scales, super_offsets), layer = _stacked(
+        (codes, scales, offsets, super_scales, super_offsets), layer
+    )
+    two_level = super_scales is not None
+    if two_level:
+        superblocks.check(scales, offsets, super_scales, super_offsets, "quant_gemm")
     if permuted_codes:
         if group % 32:
             raise UntiledShape(f"permuted_codes needs groups of whole 32-column blocks, got G={group}")
         x = permute_k(x)
     if impl == "xla":
-        return quant_gemm_reference(x, codes, scales, offsets, layer, group=group, out_dtype=out_dtype)
+        expanded = superblocks.expand(scales, offsets, super_scales, super_offsets)
+        return quant_gemm_reference(x, codes, *expanded, layer, group=group, out_dtype=out_dtype)
     if impl != "mosaic":
         raise ValueError(f"unknown impl {impl!r}: 'mosaic' or 'xla'")
-    check_shapes(x, codes, scales, offsets, group, block_sizes)
+    expanded = jax.eval_shape(superblocks.expand, scales, offsets, super_scales, super_offsets)  # f32 [L, K/G, N]
+    check_shapes(x, codes, *expanded, group, block_sizes)
     cfg = block_sizes.resolved(offsets is not None)
-    in_kernel = offsets if cfg.scale_in == "w" else None
+    in_kernel = cfg.scale_in == "w"  # offsets into the kernel, else added here
+    roles = dict(scales=scales, offsets=offsets, super_scales=super_scales, super_offsets=super_offsets)
+    roles = {r: a for r, a in roles.items() if a is not None and (in_kernel or "offsets" not in r)}
     m = x.shape[0]
-    y = _mosaic_call(layer, x, codes, scales, in_kernel, group, cfg, interpret)  # [splits, N, M8]
+    y = _mosaic_call(layer, x, codes, roles, group, cfg, interpret)  # [splits, N, M8]
     y = y.sum(axis=0)[:, :m].T  # [M, N]
-    if offsets is not None and in_kernel is None:
-        y = y + _offset_term(x, offsets, layer, group)
+    if offsets is not None and not in_kernel:
+        pick = lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False)  # noqa: E731
+        _, layer_offsets = superblocks.expand(*map(pick, (scales, offsets, super_scales, super_offsets)))  # [K/G, N]
+        y = y + _offset_term(x, layer_offsets, group)
     return y.astype(out_dtype)
 
 

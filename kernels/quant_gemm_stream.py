@@ -366,12 +366,8 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         return plgpu.load(role_smem[role].at[slot, row, pl.ds(r0, rows)], layout=row_layout).astype(jnp.float32)
 
     def scale_offset(slot, r0, g, dtype):  # (scales, offsets or None) of group g: [rows] in dtype, f32 math
-        s = per_row(slot, r0, g, "scales")
-        o = per_row(slot, r0, g, "offsets") if offsets else None
-        if lay.super_group:  # two levels: the products are exact in f32, the offset's sum rounds once
-            s = s * per_row(slot, r0, g, "super_scales")
-            if offsets:
-                o = superblocks.OFFSET_BIAS * s + per_row(slot, r0, g, "super_offsets") * o
+        row = functools.partial(per_row, slot, r0, g)
+        s, o = superblocks.scale_offset(row, offsets, bool(lay.super_group))
         return s.astype(dtype), None if o is None else o.astype(dtype)
 
     def mma(acc, w, x_t):  # complete on return

@@ -46,16 +46,29 @@ def weight_arrays(leaves) -> tuple:
     raise ValueError(f"a weight with integer sub-scales has 3 or 5 arrays, got {len(leaves)}")
 
 
+def scale_offset(row, offsets: bool, two_level: bool):
+    """(scale, offset or None) in float32 from `row(role)`, the float32 values of one array ("scales", "offsets",
+    "super_scales", "super_offsets") at the same places: the formula above, written once for the kernels (a
+    group's [rows] vectors in registers) and for `expand` (whole arrays)."""
+    s = row("scales")
+    o = row("offsets") if offsets else None
+    if two_level:  # the products are exact in f32, the offset's sum rounds once
+        s = s * row("super_scales")
+        if offsets:
+            o = OFFSET_BIAS * s + row("super_offsets") * o
+    return s, o
+
+
 def expand(scales, offsets, super_scales, super_offsets):
     """(scales, offsets or None) per group [.., K/G, N] float32 from two levels; one-level arrays as float32."""
-    if super_scales is None:
-        return scales.astype(jnp.float32), None if offsets is None else offsets.astype(jnp.float32)
-    per = scales.shape[-2] // super_scales.shape[-2]  # groups per super-block
-    up = lambda a: jnp.repeat(a.astype(jnp.float32), per, axis=-2)  # noqa: E731  [.., K/S, N] -> [.., K/G, N]
-    s = up(super_scales) * scales.astype(jnp.float32)
-    if offsets is None:
-        return s, None
-    return s, OFFSET_BIAS * s + up(super_offsets) * offsets.astype(jnp.float32)
+    arrays = dict(scales=scales, offsets=offsets, super_scales=super_scales, super_offsets=super_offsets)
+    per = 1 if super_scales is None else scales.shape[-2] // super_scales.shape[-2]  # groups per super-block
+
+    def row(role):  # the role's array, one row per group: super-block rows repeated [.., K/S, N] -> [.., K/G, N]
+        a = arrays[role].astype(jnp.float32)
+        return jnp.repeat(a, per, axis=-2) if role.startswith("super") else a
+
+    return scale_offset(row, offsets is not None, super_scales is not None)
 
 
 def check(scales, offsets, super_scales, super_offsets, what: str) -> None:

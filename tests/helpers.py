@@ -236,3 +236,21 @@ def random_blocks(qtype, rows: int, k: int, rng) -> np.ndarray:
             d = (rng.normal(size=(blocks.shape[0], 1)) * 0.01).astype(np.float16)
             fields[name][:] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
+
+
+def two_level_scales(key, layers: int, k: int, n: int, group: int, unit: float, offsets: bool) -> tuple:
+    """Random two-level scales as the K-quants' (`kernels.superblocks`): (int8 sub-scales [L, K/G, N] in 1..63,
+    int8 sub-mins in 0..63 or None, f16 d [L, K/256, N] with d·sc around `unit`, f16 -dmin or None). The offset
+    8·s - dmin·m is centred on zero: dmin ~ 8·d·(mean sc) / (mean m)."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(key, 4)
+    supers = (layers, k // 256, n)
+    sub = jax.random.randint(ks[0], (layers, k // group, n), 1, 64, jnp.int32).astype(jnp.int8)
+    d = (jax.random.uniform(ks[1], supers, jnp.float32, 0.5, 1.5) * unit / 32).astype(jnp.float16)
+    if not offsets:
+        return sub, None, d, None
+    m = jax.random.randint(ks[2], (layers, k // group, n), 0, 64, jnp.int32).astype(jnp.int8)
+    dmin = -8 * d.astype(jnp.float32) * jax.random.uniform(ks[3], supers, jnp.float32, 0.8, 1.2)
+    return sub, m, d, dmin.astype(jnp.float16)

@@ -21,6 +21,7 @@ from jaxdecode.model import swiglu as model_swiglu
 from jaxdecode.quantized import matmul, quantize
 from jaxdecode.weights.repack import repack
 from kernels.decode_attention import BlockSizes as AttentionBlocks
+from kernels.quant_gemm import QuantBlocks
 from kernels.quant_gemm_stream import QuantStreamBlocks
 
 BLOCKS = QuantStreamBlocks(tile_n=64, tile_k=64, stages=2, compute_wgs=1, ctas=8)  # 64-row tiles, 2 units a tile
@@ -128,19 +129,22 @@ def two_level_hooks_equal_the_model() -> dict:
     _close(got, model_swiglu(x, gate, up))
     (got,) = kernel_quant_dot(x, *d_leaves, impl="stream", stream_blocks=BLOCKS, interpret=True)
     _close(got, matmul(x, down))
+    tiles = QuantBlocks(tile_n=64, tile_k=128)  # the tile-per-CTA kernel, which takes M > 64
+    (got,) = kernel_quant_dot(x, *d_leaves, impl="mosaic", block_sizes=tiles, interpret=True)
+    _close(got, matmul(x, down))
     return {"ok": True}
 
 
 def test_two_level_k_quant_hooks_equal_the_model():
-    """Q4_K gate/up in one launch and a Q6_K down, their scales in two levels, against `model.swiglu` and
-    `quant_dot` (XLA on the expanded scales); the kernels that take one level decline them."""
+    """Q4_K gate/up in one launch and a Q6_K down (through both quantized GEMM kernels), their scales in two levels,
+    against `model.swiglu` and `quant_dot` (XLA on the expanded scales); the MLP kernels, which take one level,
+    decline them."""
     assert run_json(
         "import sys; sys.path.insert(0, 'tests'); import test_inplace_quantized as t, json; "
         "print(json.dumps(t.two_level_hooks_equal_the_model()))"
     ) == {"ok": True}
     x = jnp.zeros((2, 1, 256), jnp.bfloat16)
     _, (g_leaves, u_leaves, d_leaves) = _two_level_stacks()
-    assert kernel_quant_dot(x, *d_leaves, impl="mosaic", interpret=True) is None
     assert kernel_mlp(x, *g_leaves, *u_leaves, *g_leaves, impl="fused", interpret=True) is None  # 3 Q4_K
 
 

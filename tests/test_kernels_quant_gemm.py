@@ -9,7 +9,8 @@ lowered for CUDA on whatever host runs the tests, which applies those rules with
 
 Grid: int4 and int8 codes; G = 32, 128 and per-channel (G = K); with and without offsets; M = 1, 5,
 8, 19; stacked (traced layer index, the last layer) and unstacked; k_splits 1, 2 and 4; f16, bf16
-and f32 scales; both scale placements (`QuantBlocks.scale_in`).
+and f32 scales; both scale placements (`QuantBlocks.scale_in`); two levels of scales (the K-quants', at M
+past the stream kernel's 64, where this kernel takes their calls).
 """
 
 import dataclasses
@@ -18,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import two_level_scales
 
 from kernels import quant_gemm as qg
+from kernels import superblocks
 
 ON_HOPPER = jax.default_backend() == "gpu" and any(s in jax.devices()[0].device_kind for s in ("H100", "H200"))
 # Outputs are ~N(0, 1). Kernel and reference each round an f32 sum to the output dtype once (bf16: a
@@ -65,6 +68,14 @@ CASES = {
     "int8_g128_m5_f16x_auto_splits": Case(5, "int8", 128, x="float16", k_splits=None),
     "int4_g128_m1_auto_offsets_split2": Case(1, "int4", 128, offsets=True, scale_in="auto", k_splits=2),
 }
+# name: (M, codes, G, offsets, scale_in, k_splits, stacked) of two-level weights, K = 512 (two super-blocks)
+TWO_LEVEL = {
+    "q4_k_like_m72_w_offsets": (72, jnp.int4, 32, True, "w", 1, True),
+    "q4_k_like_m8_acc_offsets_split2": (8, jnp.int4, 32, True, "acc", 2, True),
+    "q6_k_like_int8_g16_m5_unstacked": (5, jnp.int8, 16, False, "acc", 1, False),
+}
+
+
 BLOCKS = qg.QuantBlocks(tile_n=64, tile_k=128, max_concurrent_steps=2)  # 4 k-steps at K = 512
 LAYERS = 3
 
@@ -127,6 +138,35 @@ class TestQuantGemm:
         )
         _close(out, run(lambda c, l: qg.quant_gemm_reference(c, codes, scales, None, l, group=128)), jnp.bfloat16)
 
+    @pytest.mark.parametrize("name", list(TWO_LEVEL))
+    def test_two_level_matches_reference(self, name):
+        """Int8 sub-scales (and mins) and f16 super-blocks, multiplied in the kernel, against the reference on the
+        expanded scales; under "acc" the offsets are added outside the kernel from the layer's expanded ones."""
+        m, cdt, group, offsets, scale_in, k_splits, stacked = TWO_LEVEL[name]
+        case = Case(m, "int4" if cdt == jnp.int4 else "int8", group, offsets=offsets, k_splits=k_splits)
+        x, codes, *_ = _inputs(case, seed=2)
+        hi = 8 if cdt == jnp.int4 else 128
+        levels = two_level_scales(jax.random.key(3), LAYERS, case.k, case.n, group, np.sqrt(3 / case.k) / hi, offsets)
+        layer = jnp.int32(LAYERS - 1) if stacked else None
+        if not stacked:
+            codes, levels = codes[LAYERS - 1], tuple(None if a is None else a[LAYERS - 1] for a in levels)
+        sub, mins, d, dmin = levels
+        cfg = dataclasses.replace(BLOCKS, k_splits=k_splits, scale_in=scale_in)
+        out = qg.quant_gemm(
+            x,
+            codes,
+            sub,
+            mins,
+            layer,
+            group=group,
+            block_sizes=cfg,
+            interpret=self.INTERPRET,
+            super_scales=d,
+            super_offsets=dmin,
+        )
+        ref = qg.quant_gemm_reference(x, codes, *superblocks.expand(*levels), layer, group=group)
+        _close(out, ref, jnp.bfloat16, cfg.resolved(offsets).scale_in)
+
 
 class TestQuantGemmInterpret(TestQuantGemm):
     INTERPRET = True
@@ -153,6 +193,24 @@ def test_lowers_for_hopper_on_any_host(name):
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     op = lambda x, c, s, l: qg.quant_gemm(x, c, s, None, l, group=group, block_sizes=cfg)
+    text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("scale_in", ["w", "acc"])
+@pytest.mark.parametrize("cdt, group", [(jnp.int4, 32), (jnp.int8, 16)], ids=["q4_k", "q6_k"])
+def test_two_level_lowers_for_hopper_on_any_host(cdt, group, scale_in):
+    """Two levels at Llama's K (16 super-blocks) and M = 128, with Q4_K's offsets (in the kernel under "w")."""
+    m, n, k, layers = 128, 1024, 4096, 4
+    offsets = cdt == jnp.int4
+    sub = jax.ShapeDtypeStruct((layers, k // group, n), jnp.int8)
+    sup = jax.ShapeDtypeStruct((layers, k // 256, n), jnp.float16)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((layers, n, k), cdt), sub)
+    args += (sub if offsets else None, jax.ShapeDtypeStruct((), jnp.int32), sup, sup if offsets else None)
+    cfg = qg.QuantBlocks(scale_in=scale_in)
+    op = lambda x, c, s, o, l, ss, so: qg.quant_gemm(  # noqa: E731
+        x, c, s, o, l, group=group, block_sizes=cfg, super_scales=ss, super_offsets=so
+    )
     text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

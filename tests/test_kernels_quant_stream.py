@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import two_level_scales
 
 from kernels import flat_gemm_stream, superblocks
 from kernels import quant_feeds as qf
@@ -130,17 +131,8 @@ def _weight(key, case: Case, n: int):
     codes = jax.random.randint(ks[0], (LAYERS, n, case.k), -hi, hi, jnp.int32).astype(cdt)  # [L, N, K]
     groups = case.k // case.g
     unit = 1.0 / (hi / np.sqrt(3) * np.sqrt(case.k))  # 1 / (code rms · √K)
-    if case.two_level:  # 6-bit sub-scales and mins as the K-quants', f16 super-block d and -dmin of the same size
-        supers = (LAYERS, case.k // superblocks.SUPER_GROUP, n)
-        sub = jax.random.randint(ks[1], (LAYERS, groups, n), 1, 64, jnp.int32).astype(jnp.int8)
-        d = (jax.random.uniform(ks[2], supers, jnp.float32, 0.5, 1.5) * unit / 32).astype(jnp.float16)
-        weight = (codes, sub, None, d, None)
-        if case.offsets:  # the offset 8·s - dmin·m: centred on zero by dmin ~ 8·d·(mean sc) / (mean m)
-            m = jax.random.randint(ks[0], (LAYERS, groups, n), 0, 64, jnp.int32).astype(jnp.int8)
-            dmin = (-8 * d.astype(jnp.float32) * jax.random.uniform(ks[1], supers, jnp.float32, 0.8, 1.2)).astype(
-                d.dtype
-            )
-            weight = (codes, sub, m, d, dmin)
+    if case.two_level:  # 6-bit sub-scales and mins as the K-quants', f16 super-block d and -dmin
+        weight = (codes, *two_level_scales(ks[1], LAYERS, case.k, n, case.g, unit, case.offsets))
         return weight if case.stacked else tuple(None if a is None else a[0] for a in weight)
     scales = (jax.random.uniform(ks[1], (LAYERS, groups, n), jnp.float32, 0.5, 1.5) * unit).astype(case.scales)
     offsets = None

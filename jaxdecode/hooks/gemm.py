@@ -138,7 +138,7 @@ def kernel_quant_dot(
     weight (codes [N, K]: the output projection). `rest`: the weight's leaves after its scales (offsets, or
     two levels: `kernels.superblocks`). impl "stream" (the default for M <= 64 on Hopper:
     `kernels.quant_gemm_stream`, every SM busy to the end) or "mosaic" (`kernels.quant_gemm`, one tile
-    per CTA, M up to 256, one level of scales). Returns [y [..., N]], or None (the call then runs as
+    per CTA, M up to 256). Returns [y [..., N]], or None (the call then runs as
     written: XLA dequantizes and dots): off Hopper, activations that are not 16-bit, M past the kernels'
     limits, or shapes they do not tile. An explicit `impl` (tests: with `interpret=True`) skips the device and
     dtype checks, not the tiling."""
@@ -160,8 +160,8 @@ def kernel_quant_dot(
         if not on_hopper_16bit(x):
             return None
         impl = "stream" if m <= quant_gemm_stream.MAX_M else "mosaic"
-    if m > dispatch.MOSAIC_MAX_M or (impl != "stream" and weight[3] is not None):
-        return None  # the tile-per-CTA kernel takes one level of scales
+    if m > dispatch.MOSAIC_MAX_M:
+        return None
     permuted = in_kernel_order(arrays[0], arrays[1])
     try:
         if impl == "stream":
@@ -179,6 +179,8 @@ def kernel_quant_dot(
                 x.reshape(m, k),
                 *weight[:3],
                 index,
+                super_scales=weight[3],
+                super_offsets=weight[4],
                 group=k // groups,
                 impl=impl,
                 block_sizes=block_sizes,
