@@ -166,7 +166,6 @@ def _kernel(
     layer = layer_gmem[0]
     ni, si = lax.axis_index("n"), lax.axis_index("k")
     gw = min(group, tile_k)  # columns of one group inside a step
-    gps = tile_k // gw  # groups per step
     bits = code_bits(codes_gmem.dtype)
     cw = load_width(gw, bits)  # codes columns loaded from SMEM at once: whole swizzle tiles
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
@@ -192,6 +191,7 @@ def _kernel(
         return x_smem.at[:, pl.ds(g * gw, gw)].T
 
     t0 = si * steps  # this CTA's first global k-step
+
     # rows of the scales (offsets) tile: its gps groups, or the one group (G > tile_k) that step t lies in
     def rows_of(per: int):  # the rows of a per-group (or per-super-block) array that step k covers
         count = max(1, tile_k // per)
