@@ -417,12 +417,20 @@ def quant_gemm(
             raise UntiledShape(f"permuted_codes needs groups of whole 32-column blocks, got G={group}")
         x = permute_k(x)
     if impl == "xla":
-        expanded = superblocks.expand(scales, offsets, super_scales, super_offsets)
-        return quant_gemm_reference(x, codes, *expanded, layer, group=group, out_dtype=out_dtype)
+        groupwise = superblocks.expand(scales, offsets, super_scales, super_offsets) if two_level else (scales, offsets)
+        return quant_gemm_reference(x, codes, *groupwise, layer, group=group, out_dtype=out_dtype)
     if impl != "mosaic":
         raise ValueError(f"unknown impl {impl!r}: 'mosaic' or 'xla'")
-    expanded = jax.eval_shape(superblocks.expand, scales, offsets, super_scales, super_offsets)  # f32 [L, K/G, N]
-    check_shapes(x, codes, *expanded, group, block_sizes)
+    if two_level:  # the shapes and dtypes the levels expand to: f32 [L, K/G, N]
+        check_shapes(
+            x,
+            codes,
+            *jax.eval_shape(superblocks.expand, scales, offsets, super_scales, super_offsets),
+            group,
+            block_sizes,
+        )
+    else:
+        check_shapes(x, codes, scales, offsets, group, block_sizes)
     cfg = block_sizes.resolved(offsets is not None)
     in_kernel = cfg.scale_in == "w"  # offsets into the kernel, else added here
     roles = dict(scales=scales, offsets=offsets, super_scales=super_scales, super_offsets=super_offsets)
