@@ -101,9 +101,9 @@ def _add_model(p: argparse.ArgumentParser):
         "--quantize",
         choices=QUANTIZE_CHOICES,
         default=None,
-        help="quantize every projection on load, round to nearest: int8 or int4 with a scale per group of 128 "
-        "inputs, or q4_k_m, llama.cpp's mix of Q4_K and Q6_K; a GGUF file is dequantized first. Default: a GGUF "
-        "file keeps its own quantization",
+        help="quantize every projection on load: int8 or int4 (round to nearest, a scale per group of 128 inputs), "
+        "or q4_k_m, llama.cpp's mix of Q4_K and Q6_K; a GGUF file is dequantized first. Default: a GGUF file keeps "
+        "its own quantization",
     )
     p.add_argument("--dequantize", action="store_true", help="expand a quantized GGUF file to dense weights on load")
     p.add_argument(

@@ -18,7 +18,7 @@ from gguf.quants import dequantize as ref_dequantize
 from jaxdecode.config import ModelConfig
 from jaxdecode.cost import decode_cost, step_weight_bytes
 from jaxdecode.decode import Engine
-from jaxdecode.kquants import mix_format, quantize_k, use_more_bits
+from jaxdecode.kquants import _fit_groups, mix_format, quantize_k, use_more_bits
 from jaxdecode.model import init_random, quantize_weights
 
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -89,12 +89,28 @@ def test_k_quants_are_the_gguf_formats(fmt):
         assert np.all(np.abs(got - ref) <= F32_EPS * (offsets + np.abs(ref)))
 
 
+def test_the_q4_k_search_never_loses_to_the_plain_grid():
+    """Each group's fit (llama.cpp's make_qkx2_quants) has at most the weighted squared error of the plain
+    [min(x, 0), max(x)] grid, which is one of its candidates; on heavy-tailed weights it is lower in total."""
+    g = jnp.asarray(np.random.default_rng(4).standard_t(5, size=(64, 32)), jnp.float32)  # 64 groups
+    w = jnp.sqrt(jnp.mean(g * g, -1, keepdims=True)) + jnp.abs(g)
+
+    def error(scale, lo):  # weighted squared error of the group on its 16 levels
+        levels = jnp.clip(jnp.round((g - lo[:, None]) / scale[:, None]), 0, 15)
+        return np.asarray(jnp.sum(w * (scale[:, None] * levels + lo[:, None] - g) ** 2, -1))
+
+    lo = jnp.minimum(g.min(-1), 0.0)
+    plain = error((g.max(-1) - lo) / 15, lo)
+    fitted = error(*_fit_groups(g))
+    assert np.all(fitted <= plain * (1 + 1e-6)) and fitted.sum() < 0.97 * plain.sum()
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 def test_every_value_is_within_half_a_step_of_its_grid(fmt):
     """Hand-computed from the stored arrays: each value is at most half its group's step from the dequantized one,
     except past the grid's ends where the 6-bit (8-bit) rounding of the group's scale shrank it (then clipped to the
     end) and where the group's scale rounds to 0; the super-block scales are the largest group scale over 63 (127),
-    rounded to float16."""
+    rounded to float16, so that group's sub-scale is the top one."""
     w = _weight(2)
     qw = quantize_k(w, fmt)
     g = 32 if fmt == "q4_k" else 16
@@ -107,11 +123,13 @@ def test_every_value_is_within_half_a_step_of_its_grid(fmt):
     if fmt == "q6_k":  # a group whose scale is under half of d rounds its sub-scale to 0: |w| < 31·d/2 there
         d_k = np.repeat(np.asarray(qw.super_scales, np.float32), 256, axis=0)  # [K, N]
         assert np.all(err[scale == 0] <= 31 * d_k[scale == 0] / 2)
-    top = 15 if fmt == "q4_k" else 31
-    spread = w.reshape(2, 256 // g, g, 24)
-    wanted = (spread.max(2) - np.minimum(spread.min(2), 0)) / top if fmt == "q4_k" else np.abs(spread).max(2) / top
     d = np.asarray(qw.super_scales, np.float32)  # [K/256, N]
-    np.testing.assert_array_equal(d, (wanted.max(1) / (63 if fmt == "q4_k" else 127)).astype(np.float16))
+    sc = np.asarray(qw.scales, np.int32).reshape(2, 256 // g, 24)  # [super-block, group, N]
+    if fmt == "q6_k":  # round to nearest: d is the largest group's amax / 31, over 127
+        wanted = np.abs(w.reshape(2, 256 // g, g, 24)).max(2) / 31
+        np.testing.assert_array_equal(d, (wanted.max(1) / 127).astype(np.float16))
+    else:  # the fitted scales: the largest group of each super-block takes the top sub-scale, 63
+        assert np.all((sc.max(1) == 63) | (d == 0)) and sc.min() >= 0
     assert np.all(err[32:64, 1] == 0) and np.all(err <= np.abs(w).max() / 8)  # a zero group stays zero
 
 
