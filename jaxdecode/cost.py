@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from gguf.constants import GGMLQuantizationType
 
 from jaxdecode.config import ModelConfig
-from jaxdecode.kquants import FALLBACK, K_FORMATS, MIXES, mix_format
+from jaxdecode.kquants import FALLBACK, MIXES, mix_format
 from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, SCALE_DTYPE, QuantizedWeight, weight_bytes
+from jaxdecode.weights.repack import repacked_bytes
 
 GIB = 2**30
 
@@ -72,15 +74,13 @@ def quantized_bytes(params: int, quantize: str, group: int = DEFAULT_GROUP, scal
 
 
 def kquant_bytes(k: int, n: int, fmt: str) -> int:
-    """Bytes of a [K, N] weight in K-quant `fmt` as `kquants.quantize_k` stores it: codes (int4 for Q4_K, int8 for
-    Q6_K) and int8 sub-scales (and mins) per group, float16 d (and dmin) per 256; a K not a multiple of 256 in
-    its fallback (float16 scales)."""
+    """Bytes of a [K, N] weight in K-quant `fmt` as `kquants.quantize_k` stores it: the layout a GGUF tensor of that
+    type is repacked into (`weights.repack.repacked_bytes`); a K not a multiple of 256 in its fallback (float16
+    scales)."""
     if k % 256:
         base, group = FALLBACK[fmt]
         return quantized_bytes(k * n, base, math.gcd(group, k), jnp.float16)
-    mins = fmt == "q4_k"  # Q4_K has offsets: a min per group, dmin per super-block
-    code_bits = 4 if fmt == "q4_k" else 8
-    return k * n * code_bits // 8 + (k // K_FORMATS[fmt]) * n * (1 + mins) + (k // 256) * n * 2 * (1 + mins)
+    return repacked_bytes(GGMLQuantizationType[fmt.upper()], n, k)
 
 
 def projection_bytes(cfg: ModelConfig, quantize: str, group: int = DEFAULT_GROUP, scale_dtype=SCALE_DTYPE) -> int:

@@ -10,7 +10,7 @@ One format serves every source, so one kernel family reads them all:
   kernel multiplies into its accumulator rows. `offsets` is None for symmetric formats (int8, Q8_0, ...).
 - G, the group size, is K / scales.shape[-2]; stacked layers add a leading [L] to all three.
 - The GGUF K-quants keep their own two levels (`kernels.superblocks`): int8 sub-scales (and sub-offsets)
-  [K/G, N] and float16 `super_scales` (`super_offsets`) [K/256, N], which `group_scales` expands to the
+  [K/G, N] and float16 `super_scales` (`super_offsets`) [K/256, N], which `QuantizedWeight.group_scales` expands to the
   float32 scales and offsets above, bit for bit.
 - Int4 codes whose groups are whole 32-column blocks are stored in the Hopper kernels' K order
   (`in_kernel_order`): within each 32-column block the columns are permuted the way the kernel hands
@@ -74,7 +74,7 @@ class QuantizedWeight:
 
     def group_scales(self) -> tuple[Array, Array | None]:
         """(scales, offsets or None) [..., K/G, N] float32, two levels expanded."""
-        return group_scales(*self.group_arrays)
+        return superblocks.expand(*self.group_arrays)
 
     def natural_codes(self) -> Array:
         """The codes [..., N, K] in the weight's own K order."""
@@ -160,14 +160,9 @@ def check_quantized(w: QuantizedWeight, what: str) -> None:
         raise ValueError(f"{what}: offsets {offsets.shape} differ from scales {scales.shape}")
 
 
-def group_scales(scales, offsets=None, super_scales=None, super_offsets=None) -> tuple[Array, Array | None]:
-    """(scales, offsets or None) [..., K/G, N] float32 of a weight's arrays, two levels expanded."""
-    return superblocks.expand(scales, offsets, super_scales, super_offsets)
-
-
 def dequantize_rows(codes: Array, scales: Array, offsets: Array | None) -> Array:
-    """codes [..., N, K], scales (offsets) [..., K/G, N] (one level: `group_scales` expands two) → w [..., N, K]
-    float32 (rows of the weight's transpose)."""
+    """codes [..., N, K], scales (offsets) [..., K/G, N] (one level: `QuantizedWeight.group_scales` expands two)
+    → w [..., N, K] float32 (rows of the weight's transpose)."""
     *lead, n, k = codes.shape
     groups = scales.shape[-2]
     codes = reorder_codes(codes, scales)
@@ -191,7 +186,7 @@ def quant_dot(x: Array, codes: Array, scales: Array, *rest: Array) -> Array:
     Plain JAX: the dequantized rows times x. On the CPU backend (read at trace time: the engine's
     process runs one backend) the rows are dequantized tile by tile after x exists (`_quant_dot_cpu`);
     the same arithmetic, summed in another order."""
-    scales, offsets = group_scales(*superblocks.weight_arrays((codes, scales, *rest))[1:])  # [K/G, N] f32 each
+    scales, offsets = superblocks.expand(*superblocks.weight_arrays((codes, scales, *rest))[1:])  # [K/G, N] f32 each
     if jax.default_backend() == "cpu":
         return _quant_dot_cpu(x, codes, scales, offsets)
     w = dequantize_rows(codes, scales, offsets)  # [N, K]
@@ -256,7 +251,7 @@ def embed_rows(w, ids: Array, dtype) -> Array:
         return jnp.take(w, ids, axis=0).astype(dtype)
     codes = reorder_codes(jnp.take(w.codes, ids, axis=0), w.scales)  # [..., D] in K order
     take = lambda a: None if a is None else jnp.take(a, ids, axis=1)  # noqa: E731  [D/G, V] -> [D/G, ...]
-    scales, offsets = group_scales(*map(take, w.group_arrays))  # [D/G, ...] f32 each
+    scales, offsets = superblocks.expand(*map(take, w.group_arrays))  # [D/G, ...] f32 each
     d, groups = codes.shape[-1], scales.shape[0]
     c = codes.astype(jnp.float32).reshape(*ids.shape, groups, d // groups)  # [..., D/G, G]
     rows = c * jnp.moveaxis(scales, 0, -1).astype(jnp.float32)[..., None]

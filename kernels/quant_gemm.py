@@ -200,7 +200,7 @@ def _kernel(
     specs = [
         plgpu.BlockSpec((m8, tile_k), lambda k: (0, t0 + k), transforms=smem_transforms(gw, 16)),
         plgpu.BlockSpec((tile_n, tile_k), lambda k: (ni, t0 + k), transforms=smem_transforms(cw, bits)),
-    ] + [rows_of(super_group if role.startswith("super") else group) for role in roles]
+    ] + [rows_of(superblocks.values_per_row(role, group, super_group)) for role in roles]
     # views: layer l read in place
     gmems = (x_gmem, codes_gmem.at[layer], *(a.at[layer] for a in group_gmems))
 
@@ -305,11 +305,11 @@ def _mosaic_call(layer, x, codes, group_arrays, group: int, cfg: QuantBlocks, in
     n = codes.shape[1]  # codes [L, N, K]
     m8 = -(-m // 8) * 8
     bits = code_bits(codes.dtype)
-    roles = tuple(r for r in ("scales", "offsets", "super_scales", "super_offsets") if r in group_arrays)
+    roles = tuple(r for r in superblocks.ROLES if r in group_arrays)
     super_group = k // group_arrays["super_scales"].shape[1] if "super_scales" in group_arrays else 0
 
     def stage_bytes(c: QuantBlocks) -> int:  # x tile + codes tile + the groupwise tiles
-        per = lambda r: super_group if r.startswith("super") else group  # noqa: E731
+        per = functools.partial(superblocks.values_per_row, group=group, super_group=super_group)
         rows = sum(max(1, c.tile_k // per(r)) * c.tile_n * group_arrays[r].dtype.itemsize for r in roles)
         return c.tile_k * (m8 * x.dtype.itemsize + c.tile_n * bits // 8) + rows
 
@@ -412,29 +412,22 @@ def quant_gemm(
     two_level = super_scales is not None
     if two_level:
         superblocks.check(scales, offsets, super_scales, super_offsets, "quant_gemm")
+    # what the format's formula reads, two levels expanded (the kernel takes them as they are; XLA drops what the
+    # mosaic path leaves unused)
+    groupwise = superblocks.expand(scales, offsets, super_scales, super_offsets) if two_level else (scales, offsets)
     if permuted_codes:
         if group % 32:
             raise UntiledShape(f"permuted_codes needs groups of whole 32-column blocks, got G={group}")
         x = permute_k(x)
     if impl == "xla":
-        groupwise = superblocks.expand(scales, offsets, super_scales, super_offsets) if two_level else (scales, offsets)
         return quant_gemm_reference(x, codes, *groupwise, layer, group=group, out_dtype=out_dtype)
     if impl != "mosaic":
         raise ValueError(f"unknown impl {impl!r}: 'mosaic' or 'xla'")
-    if two_level:  # the shapes and dtypes the levels expand to: f32 [L, K/G, N]
-        check_shapes(
-            x,
-            codes,
-            *jax.eval_shape(superblocks.expand, scales, offsets, super_scales, super_offsets),
-            group,
-            block_sizes,
-        )
-    else:
-        check_shapes(x, codes, scales, offsets, group, block_sizes)
+    check_shapes(x, codes, *groupwise, group, block_sizes)
     cfg = block_sizes.resolved(offsets is not None)
     in_kernel = cfg.scale_in == "w"  # offsets into the kernel, else added here
-    roles = dict(scales=scales, offsets=offsets, super_scales=super_scales, super_offsets=super_offsets)
-    roles = {r: a for r, a in roles.items() if a is not None and (in_kernel or "offsets" not in r)}
+    roles = zip(superblocks.ROLES, (scales, offsets, super_scales, super_offsets))
+    roles = {r: a for r, a in roles if a is not None and (in_kernel or "offsets" not in r)}
     m = x.shape[0]
     y = _mosaic_call(layer, x, codes, roles, group, cfg, interpret)  # [splits, N, M8]
     y = y.sum(axis=0)[:, :m].T  # [M, N]

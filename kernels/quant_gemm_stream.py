@@ -193,7 +193,8 @@ class _Layout:
         return 1 + len(self.groupwise)
 
     def rows_of(self, role: str) -> int:  # rows of an array's tile in a stage
-        return max(1, self.tile_k // self.super_group) if role.startswith("super") else self.group_rows
+        per = superblocks.values_per_row(role, self.group, self.super_group)
+        return max(1, self.tile_k // per)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
         u = u0 + j
         t, kk = lax.div(u, ks), lax.rem(u, ks)
         tile = (tile_n, tile_k, lay.group)
-        groups = [lay.super_group if r.startswith("super") else lay.group for r in lay.groupwise]
+        groups = [superblocks.values_per_row(r, lay.group, lay.super_group) for r in lay.groupwise]
         copy_weight_unit(weights, sched.tiles, t, kk, layer, tile, c_smem, group_smems, slot, produced, groups)
 
     def issue(j, slot):
@@ -484,17 +485,14 @@ def _kernel(layer_gmem, x_gmem, *refs, lay: _Layout, interpret: bool):
 # Kernel wrapper
 
 
-ROLES = ("codes", "scales", "offsets", "super_scales", "super_offsets")
-
-
 def _five(weight) -> tuple:
     """A weight as (codes, scales, offsets, super_scales, super_offsets), absent ones None."""
     weight = tuple(weight)
-    return weight + (None,) * (len(ROLES) - len(weight))
+    return weight + (None,) * (1 + len(superblocks.ROLES) - len(weight))
 
 
 def _roles(weight) -> tuple[str, ...]:
-    return tuple(r for r, a in zip(ROLES[1:], weight[1:]) if a is not None)
+    return tuple(r for r, a in zip(superblocks.ROLES, weight[1:]) if a is not None)
 
 
 def _super_group(weight) -> int:

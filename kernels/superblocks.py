@@ -28,6 +28,12 @@ SUPER_GROUP = 256  # values per super-block: every K-quant's
 OFFSET_BIAS = 8  # code = q - OFFSET_BIAS for the unsigned q of a K-quant with mins
 SUPER_DTYPE = jnp.float16  # the file's d and dmin
 SUB_DTYPE = jnp.int8
+ROLES = ("scales", "offsets", "super_scales", "super_offsets")  # a weight's arrays after its codes, in leaf order
+
+
+def values_per_row(role: str, group: int, super_group: int) -> int:
+    """Values of K that one row of the role's array covers: the group's G, or a super-block's."""
+    return super_group if role.startswith("super") else group
 
 
 def weight_arrays(leaves) -> tuple:
@@ -61,12 +67,11 @@ def scale_offset(row, offsets: bool, two_level: bool):
 
 def expand(scales, offsets, super_scales, super_offsets):
     """(scales, offsets or None) per group [.., K/G, N] float32 from two levels; one-level arrays as float32."""
-    arrays = dict(scales=scales, offsets=offsets, super_scales=super_scales, super_offsets=super_offsets)
+    arrays = dict(zip(ROLES, (scales, offsets, super_scales, super_offsets)))
     per = 1 if super_scales is None else scales.shape[-2] // super_scales.shape[-2]  # groups per super-block
 
     def row(role):  # the role's array, one row per group: super-block rows repeated [.., K/S, N] -> [.., K/G, N]
-        a = arrays[role].astype(jnp.float32)
-        return jnp.repeat(a, per, axis=-2) if role.startswith("super") else a
+        return jnp.repeat(arrays[role].astype(jnp.float32), values_per_row(role, 1, per), axis=-2)
 
     return scale_offset(row, offsets is not None, super_scales is not None)
 

@@ -138,10 +138,9 @@ def kernel_quant_dot(
     weight (codes [N, K]: the output projection). `rest`: the weight's leaves after its scales (offsets, or
     two levels: `kernels.superblocks`). impl "stream" (the default for M <= 64 on Hopper:
     `kernels.quant_gemm_stream`, every SM busy to the end) or "mosaic" (`kernels.quant_gemm`, one tile
-    per CTA, M up to 256). Returns [y [..., N]], or None (the call then runs as
-    written: XLA dequantizes and dots): off Hopper, activations that are not 16-bit, M past the kernels'
-    limits, or shapes they do not tile. An explicit `impl` (tests: with `interpret=True`) skips the device and
-    dtype checks, not the tiling."""
+    per CTA, M up to 256). Returns [y [..., N]], or None (the call then runs as written: XLA dequantizes and
+    dots): off Hopper, activations that are not 16-bit, M past the kernels' limits, or shapes they do not tile.
+    An explicit `impl` (tests: with `interpret=True`) skips the device and dtype checks, not the tiling."""
     refs = (codes, scales, *rest)
     stacked = all(isinstance(r, StackedRef) for r in refs)
     plain = not any(isinstance(r, StackedRef) for r in refs) and codes.ndim == 2
