@@ -470,9 +470,12 @@ def in_child(args, index: int, v: Variant, emit) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
+    """The rows on stderr. "gap µs" (with --profile) is the median idle time between a step's kernels: on the H200 it
+    takes one of two values, about 0.1 or 0.45 µs, the second in later variants of a process, which moves a step of
+    ~430 kernels by 3-7% (docs/log/2026-12-05.md); compare ratios between rows of the same gap, or use --isolate."""
     print(
         f"\n{'#':>2} {'variant':40} {'B':>3} {'ctx':>6} {'ms/token':>9} {'tok/s':>9} {'GB/s':>7} {'%ceil':>6} "
-        f"{'agree':>5} {'kernels':>7} {'right':>5}",
+        f"{'agree':>5} {'kernels':>7} {'gap µs':>6} {'right':>5}",
         file=sys.stderr,
     )
     for r in rows:
@@ -483,6 +486,7 @@ def print_table(rows: list[dict]) -> None:
             f"{r['index']:>2} {r['variant'][:40]:40} {r['batch']:>3} {r['context']:>6} {r['ms']:>9.3f} "
             f"{r['tok_s']:>9.1f} {r['gb_s']:>7.1f} {r['pct_ceiling']:>6.1f} "
             f"{r['tokens_agree_with_first'] if r['index'] else '-'!s:>5} {r.get('kernels_per_step', '-')!s:>7} "
+            f"{r.get('median_inner_gap_us', '-')!s:>6} "
             f"{ {True: 'yes', False: 'NO'}.get(r.get('check_right'), '-'):>5}",
             file=sys.stderr,
         )

@@ -149,7 +149,8 @@ class StructuralKeys:
 
 @dataclasses.dataclass
 class Run:
-    """A maximal run of >= 2 consecutive calls of one callee, to become one `lax.scan`.
+    """A maximal run of >= 2 consecutive calls of one callee, to become one `lax.scan`; or a single call of a callee
+    that has such a run elsewhere, a scan of length 1 wired as that run.
 
     Input positions p of the callee are split into `carry` (p -> output position of the previous
     call that feeds it), `shared` (the same value for every call) and `stacked` (one value per call).
@@ -237,14 +238,8 @@ class _Candidate:
         self.tainted.update(eqn.outvars)
         return None
 
-    def to_run(self, uses: collections.Counter) -> Run | None:
-        if len(self.calls) < 2:
-            return None
-        last = self.calls[-1]
-        calls = [self.eqns[i] for i in self.calls]
-        hoisted = [self.eqns[i] for i, sunk in self.between if i < last and not sunk]
-        sunk = [self.eqns[i] for i, s in self.between if i < last and s]
-        assert self.carry is not None
+    def _shared_and_stacked(self, calls: list[jcore.JaxprEqn]) -> tuple[list[int], list[int]]:
+        """The input positions that are not carried: the same value in every call, or one value per call."""
         shared, stacked = [], []
         for p in range(len(calls[0].invars)):
             if p in self.carry:
@@ -254,6 +249,22 @@ class _Candidate:
                 isinstance(a, jcore.Literal) and _const_key(a.val) == _const_key(atoms[0].val) for a in atoms
             )
             (shared if same else stacked).append(p)
+        return shared, stacked
+
+    def to_run(self, uses: collections.Counter, like: Run | None = None) -> Run | None:
+        """The run of the calls; a single call becomes a run of one, wired as `like` (a run of the same callee),
+        so that the layers of a mixed file between runs of the other kind take the in-place kernels too."""
+        if len(self.calls) < 2 and like is None:
+            return None
+        last = self.calls[-1]
+        calls = [self.eqns[i] for i in self.calls]
+        hoisted = [self.eqns[i] for i, sunk in self.between if i < last and not sunk]
+        sunk = [self.eqns[i] for i, s in self.between if i < last and s]
+        if len(calls) == 1:  # the same callee as `like`: its carried, shared and stacked positions
+            self.carry, shared, stacked = like.carry, list(like.shared), list(like.stacked)
+        else:
+            shared, stacked = self._shared_and_stacked(calls)
+        assert self.carry is not None
         ys = set()
         for k, eqn in enumerate(calls):
             for j, v in enumerate(eqn.outvars):
@@ -263,7 +274,7 @@ class _Candidate:
                 last_carried = k + 1 == len(calls) and j in self.carry.values()
                 if uses[v] > by_next and not last_carried:
                     ys.add(j)
-        name_stack, body_scope = _common_scope(calls)
+        name_stack, body_scope = _common_scope(calls if like is None else [*like.calls, *calls])
         return Run(
             calls, hoisted, sunk, dict(sorted(self.carry.items())), shared, stacked, sorted(ys), name_stack, body_scope
         )
@@ -332,7 +343,10 @@ def find_runs(
         cur = _Candidate(eqns, i, key)
     finish(None)
 
-    runs = [r for r in (c.to_run(uses) for c in finished) if r is not None]
+    made = [(c, c.to_run(uses)) for c in finished]
+    wiring = {c.key: run for c, run in made if run is not None}
+    runs = [run if run is not None else c.to_run(uses, like=wiring.get(c.key)) for c, run in made]
+    runs = [run for run in runs if run is not None]
     at_first = {id(r.calls[0]): r for r in runs}
     in_run = {id(e) for r in runs for e in (*r.calls, *r.hoisted, *r.sunk)}
     schedule: list[jcore.JaxprEqn | Run] = []
