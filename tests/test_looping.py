@@ -229,22 +229,24 @@ def test_differing_shapes_split_into_runs():
 
 
 def test_single_calls_between_runs_take_their_callees_wiring():
-    """A mixed file's layers (llama.cpp's Q4_K_M gives v and down more bits in some layers): a single call of a
-    callee that has a run elsewhere becomes a scan of length 1 wired as that run; one of a callee without a run
-    stays as written and is reported."""
+    """A mixed file's layers (llama.cpp's Q4_K_M gives v and down more bits in some layers), lone_calls on (the
+    default in place): a single call of a callee that has a run elsewhere becomes a scan of length 1 wired as that
+    run; one of a callee without a run stays as written and is reported."""
     ffn = (F, 2 * F, 2 * F, F, 2 * F, 2 * F, F, F)  # F: calls 0, 3 alone, 6-7 a run; 2F: runs 1-2, 4-5
     args = _inputs(len(ffn), ffn)
-    plan = kernel_loop(decoder, *args, packed_outputs={1: 1})
+    plan = kernel_loop(decoder, *args, packed_outputs={1: 1}, lone_calls=True)
     assert [r.length for r in plan.report.runs] == [1, 2, 1, 2, 2]
     assert [s.name_scope[-1] for s in plan.report.skips] == ["1", "3", "4", "6"]  # why each run ended
     assert [s.params["length"] for s in _prims(plan.jaxpr, "scan")] == [1, 2, 1, 2, 2]
     assert not _calls(plan.jaxpr, "block")  # every layer inside a scan
     assert {r.name_scope for r in plan.report.runs} == {"decoder/layers"}
     _assert_close(_run_packed(plan, *args), decoder(*args))
+    plan = kernel_loop(decoder, *args, packed_outputs={1: 1})  # lone calls stay as written by default (not in place)
+    assert [r.length for r in plan.report.runs] == [2, 2, 2] and len(_calls(plan.jaxpr, "block")) == 2
 
     ffn = (2 * F, F, F, 2 * F, F, F)  # 2F: calls 0 and 3 alone, no run to take the wiring from
     args = _inputs(len(ffn), ffn)
-    plan = kernel_loop(decoder, *args, packed_outputs={1: 1})
+    plan = kernel_loop(decoder, *args, packed_outputs={1: 1}, lone_calls=True)
     assert [r.length for r in plan.report.runs] == [2, 2]
     assert len(_calls(plan.jaxpr, "block")) == 2
     assert all("structurally different" in s.reason for s in plan.report.skips)
@@ -277,7 +279,7 @@ def test_side_effects_are_not_looped():
         return x
 
     plan = kernel_loop(fn_print_between, ws, jnp.ones(D))
-    assert [r.length for r in plan.report.runs] == [2, 1]  # the call after the op: a scan of one, wired as the run
+    assert [r.length for r in plan.report.runs] == [2]
     assert "side effects" in plan.report.skips[0].reason
 
 

@@ -32,8 +32,8 @@ inlined in the caller (a plain Python method) has no boundary and is never loope
   the scan, e.g. slicing the next layer's cache) or if no later call reads its result (it is sunk
   after the scan, e.g. summing per-layer outputs). An op on the carried path (`x = 2 * x` between
   layers) or a call of another layer callee ends the run.
-A single call of a callee that has a run elsewhere at its level becomes a run of one, wired as that run (the
-layers of a mixed quantized file that sit alone between runs of another kind).
+In place (`lone_calls`), a single call of a callee that has a run elsewhere at its level becomes a run of one,
+wired as that run (the layers of a mixed quantized file that sit alone between runs of another kind).
 Runs are found at every level: inside jit, custom_jvp/vjp, cond branches, scan and while bodies.
 Structural keys ignore the derivative rules of custom_jvp/custom_vjp calls (every trace re-creates
 them), so the derivative of a looped run uses its first call's rule; values are unaffected.

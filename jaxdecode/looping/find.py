@@ -149,8 +149,8 @@ class StructuralKeys:
 
 @dataclasses.dataclass
 class Run:
-    """A maximal run of >= 2 consecutive calls of one callee, to become one `lax.scan`; or a single call of a callee
-    that has such a run elsewhere, a scan of length 1 wired as that run.
+    """A maximal run of >= 2 consecutive calls of one callee, to become one `lax.scan`; or (`find_runs`' lone_calls) a
+    single call of a callee that has such a run elsewhere, a scan of length 1 wired as that run.
 
     Input positions p of the callee are split into `carry` (p -> output position of the previous
     call that feeds it), `shared` (the same value for every call) and `stacked` (one value per call).
@@ -287,9 +287,10 @@ def _uses(jaxpr: jcore.Jaxpr) -> collections.Counter:
 
 
 def find_runs(
-    jaxpr: jcore.Jaxpr, keys: StructuralKeys, where: str
+    jaxpr: jcore.Jaxpr, keys: StructuralKeys, where: str, lone_calls: bool = False
 ) -> tuple[list[jcore.JaxprEqn | Run], list[Run], list[SkipReport]]:
-    """The schedule of one jaxpr level (no recursion), its runs, and the calls left out and why."""
+    """The schedule of one jaxpr level (no recursion), its runs, and the calls left out and why. `lone_calls`: a
+    single call whose callee has a run at this level becomes a run of one, wired as that run."""
     eqns = list(jaxpr.eqns)
     calls_per_name = collections.Counter(callee_name(e) for e in eqns if is_layer_call(e))
     uses = _uses(jaxpr)
@@ -344,7 +345,7 @@ def find_runs(
     finish(None)
 
     made = [(c, c.to_run(uses)) for c in finished]
-    wiring = {c.key: run for c, run in made if run is not None}
+    wiring = {c.key: run for c, run in made if run is not None} if lone_calls else {}
     runs = [run if run is not None else c.to_run(uses, like=wiring.get(c.key)) for c, run in made]
     runs = [run for run in runs if run is not None]
     at_first = {id(r.calls[0]): r for r in runs}
@@ -362,8 +363,9 @@ def find_runs(
 class Analysis:
     """Runs and schedules for a jaxpr and all its sub-jaxprs, each analysed once."""
 
-    def __init__(self):
+    def __init__(self, lone_calls: bool = False):
         self.keys = StructuralKeys()
+        self.lone_calls = lone_calls
         self.levels: dict[int, tuple[jcore.Jaxpr, list, list[Run], str]] = {}
         self.skips: list[SkipReport] = []
         self._has_runs: dict[int, bool] = {}
@@ -371,7 +373,7 @@ class Analysis:
     def analyze(self, jaxpr: jcore.Jaxpr, where: str) -> None:
         if id(jaxpr) in self.levels:
             return
-        schedule, runs, skips = find_runs(jaxpr, self.keys, where)
+        schedule, runs, skips = find_runs(jaxpr, self.keys, where, self.lone_calls)
         self.levels[id(jaxpr)] = (jaxpr, schedule, runs, where)
         self.skips += skips
         for eqn in jaxpr.eqns:

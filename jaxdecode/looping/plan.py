@@ -69,6 +69,7 @@ class LoopPlan:
         packed_outputs: Mapping[int, int],
         stacked_dot: StackedDot | None = None,
         stacked_calls: Mapping[str, StackedCall] | None = None,
+        lone_calls: bool | None = None,
     ):
         if index_mode not in INDEX_MODES:
             raise ValueError(f"index_mode must be one of {INDEX_MODES}, got {index_mode!r}")
@@ -81,7 +82,7 @@ class LoopPlan:
         self.original_jaxpr = jaxpr
         self._out_shape = out_shape
         self._root = _peel(jaxpr)
-        self._analysis = Analysis()
+        self._analysis = Analysis(lone_calls=self.in_place if lone_calls is None else lone_calls)
         self._analysis.analyze(self._root, getattr(fn, "__name__", "fn"))
         self._interp = Interpreter(self._analysis, index_mode, stacked_dot, stacked_calls)
         self._specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self._root.in_avals]
@@ -294,6 +295,7 @@ def kernel_loop(
     packed_outputs: Mapping[int, int] | None = None,
     stacked_dot: StackedDot | None = None,
     stacked_calls: Mapping[str, StackedCall] | None = None,
+    lone_calls: bool | None = None,
 ) -> LoopPlan:
     """Analyse `fn` at `args` (arrays or `jax.ShapeDtypeStruct`s) and plan its kernel looping.
 
@@ -311,8 +313,11 @@ def kernel_loop(
       stacked_calls: with stacked_dot, {call name: hook}: a call of that name inside a looped
         layer goes to `hook(*args)` with its stacked arguments still unread (`StackedRef`s); the
         hook returns the call's outputs, or None to evaluate the call as written.
+      lone_calls: a single call of a callee that has a run elsewhere becomes a run of one (a scan of length 1),
+        which reaches the in-place kernels; default: only in place (with stacked_dot). Elsewhere it gains nothing,
+        and a dataflow compiler would rather keep the call in the section around it (`rdu`).
 
     Returns:
       A `LoopPlan`: `pack`, `looped`, `unpack_outputs`, `report`, `jaxpr`.
     """
-    return LoopPlan(fn, args, index_mode, packed_argnums, packed_outputs or {}, stacked_dot, stacked_calls)
+    return LoopPlan(fn, args, index_mode, packed_argnums, packed_outputs or {}, stacked_dot, stacked_calls, lone_calls)
