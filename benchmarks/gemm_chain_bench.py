@@ -7,6 +7,8 @@ A chain of P dependent bf16 GEMVs, x_{p+1} = x_p · w[p], w [P, D, D] with D = 6
 of the 143 MB weights spread over every SM, one 64-column tile each), at M = 1 and 8, four ways in one process:
 - "one launch": `gemm_chain` with P phases, the phases meeting at an in-kernel grid barrier while the next
   phase's weights stream;
+- "one launch, no stream across": the same with the next phase's weight copies held until after the barrier (so
+  the barrier's own cost and what streaming across it hides are told apart);
 - "a launch per phase": the same kernel with one phase, P launches in one jit (the same code, so the difference
   between the two rows is what the boundaries cost);
 - "stream kernel per phase": the engine's bf16 flat GEMM (`flat_gemm_stream`, Stream-K, its partials' combine),
@@ -21,6 +23,7 @@ back to back; GB/s counts the weights' bytes, % is of the HBM read ceiling measu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -41,6 +44,7 @@ def log(*a):
 
 def variants(phases: int, cfg: ChainBlocks, interpret: bool) -> dict:
     """name -> jitted f(x, w) giving [phases, M, D]."""
+    held = dataclasses.replace(cfg, stream_across_barrier=False)
 
     def per_phase(step):
         def run(x, w):
@@ -54,6 +58,9 @@ def variants(phases: int, cfg: ChainBlocks, interpret: bool) -> dict:
 
     found = {
         "one launch": jax.jit(lambda x, w: gemm_chain(x, w, 0, phases=phases, block_sizes=cfg, interpret=interpret)),
+        "one launch, no stream across": jax.jit(
+            lambda x, w: gemm_chain(x, w, 0, phases=phases, block_sizes=held, interpret=interpret)
+        ),
         "a launch per phase": per_phase(
             lambda x, w, p: gemm_chain(x, w, p, phases=1, block_sizes=cfg, interpret=interpret)[0]
         ),

@@ -46,6 +46,9 @@ class ChainBlocks:
     tile_k: int = 256  # reduction depth of one pipeline stage
     stages: int = 4  # TMA stages in flight (>= 2, <= the k-steps of a phase)
     ctas: int | None = None
+    # the next phase's weight copies go out before the barrier (the point of the kernel); False holds them until
+    # after it with x's, the control that tells the barrier's own cost from what streaming across it hides
+    stream_across_barrier: bool = True
 
 
 def _kernel(first_gmem, x_gmem, w_gmem, out_gmem, x_smem, w_smem, y_smem, bars, *, phases, ctas, ks, cfg, interpret):
@@ -91,9 +94,11 @@ def _kernel(first_gmem, x_gmem, w_gmem, out_gmem, x_smem, w_smem, y_smem, bars, 
                 fence_global()
 
         @pl.when(p > 0)
-        def _():  # the x parts of this phase's first stages, whose weights went out during the last phase
+        def _():  # the x parts of this phase's first stages, whose weights went out during the last phase (or not)
             for d in range(stages - 1):
                 n = p * ks + d
+                if not cfg.stream_across_barrier:
+                    issue_weights(n, lax.rem(n, stages))
                 issue_x(n, lax.rem(n, stages))
 
         def run(acc):
@@ -108,10 +113,13 @@ def _kernel(first_gmem, x_gmem, w_gmem, out_gmem, x_smem, w_smem, y_smem, bars, 
                 @pl.when((j >= 1) & (n < total))
                 def _():
                     free = lax.rem(j - 1, stages)
-                    issue_weights(n, free)  # weights depend on nothing the barrier guards
+                    if cfg.stream_across_barrier:
+                        issue_weights(n, free)  # weights depend on nothing the barrier guards
 
                     @pl.when(lax.div(n, ks) == p)
                     def _():
+                        if not cfg.stream_across_barrier:
+                            issue_weights(n, free)
                         issue_x(n, free)  # this phase's input is whole: copy it now, else after the barrier
 
             lax.fori_loop(0, ks, step, None)

@@ -29,12 +29,14 @@ def _close(got, x, w, first, phases):
 
 
 @pytest.mark.parametrize(
-    "m, tile_k, stages, phases",
-    [(1, 16, 2, 3), (5, 16, 3, 4), (8, 32, 2, 2)],  # 4, 4 and 2 k-steps a phase: stages deferred across phases
+    "m, tile_k, stages, phases, across",
+    # 4, 4 and 2 k-steps a phase: stages cross phase boundaries, with the weights streaming across or held
+    [(1, 16, 2, 3, True), (5, 16, 3, 4, True), (8, 32, 2, 2, True), (5, 16, 3, 4, False)],
 )
-def test_interpreted_matches_reference(m, tile_k, stages, phases):
+def test_interpreted_matches_reference(m, tile_k, stages, phases, across):
     x, w = _inputs(m, 64, phases + 1)
-    got = gemm_chain(x, w, 1, phases=phases, block_sizes=ChainBlocks(tile_k=tile_k, stages=stages), interpret=True)
+    cfg = ChainBlocks(tile_k=tile_k, stages=stages, stream_across_barrier=across)
+    got = gemm_chain(x, w, 1, phases=phases, block_sizes=cfg, interpret=True)
     assert got.shape == (phases, m, 64)
     _close(got, x, w, 1, phases)
 
@@ -55,14 +57,15 @@ def test_bad_input_is_refused(kwargs, match):
         gemm_chain(x, w, 0, phases=kwargs.get("phases", 2), block_sizes=cfg, interpret=True)
 
 
-@pytest.mark.parametrize("m", [1, 8])
-def test_lowers_for_hopper_on_any_host(m):
+@pytest.mark.parametrize("m, across", [(1, True), (8, True), (1, False)])
+def test_lowers_for_hopper_on_any_host(m, across):
     """Mosaic GPU's layout and tiling checks, the global semaphores and the transposed bf16 store, at the
     benchmark's shape: 132 CTAs, D = 8448."""
     d = 132 * 64
     x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4, d, d), jnp.bfloat16)
-    op = lambda x, w, first: gemm_chain(x, w, first, phases=3, block_sizes=ChainBlocks(ctas=132))  # noqa: E731
+    cfg = ChainBlocks(ctas=132, stream_across_barrier=across)
+    op = lambda x, w, first: gemm_chain(x, w, first, phases=3, block_sizes=cfg)  # noqa: E731
     text = jax.jit(op).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in text.as_text()
 
@@ -71,7 +74,8 @@ def test_benchmark_dry_run_rows_are_right():
     import gemm_chain_bench
 
     result = gemm_chain_bench.main(["--dry-run", "--batches", "1"])
-    assert {r["variant"] for r in result["rows"]} == {"one launch", "a launch per phase", "XLA per phase"}
+    names = {"one launch", "one launch, no stream across", "a launch per phase", "XLA per phase"}
+    assert {r["variant"] for r in result["rows"]} == names
     assert all(r["right"] for r in result["rows"]), result["rows"]
 
 
@@ -87,6 +91,8 @@ def test_compiled_matches_reference(m):
 
     d = default_ctas() * 64
     x, w = _inputs(m, d, 6)
-    run = jax.jit(lambda x, w: gemm_chain(x, w, 1, phases=5))
-    for _ in range(3):
-        _close(run(x, w), x, w, 1, 5)
+    for across in (True, False):
+        cfg = ChainBlocks(stream_across_barrier=across)
+        run = jax.jit(lambda x, w: gemm_chain(x, w, 1, phases=5, block_sizes=cfg))  # noqa: B023
+        for _ in range(3):
+            _close(run(x, w), x, w, 1, 5)
