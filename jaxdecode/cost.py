@@ -22,7 +22,6 @@ comparison: FLOPs = 2 * n_params + 8 * L * D * S, bytes = w * n_params + KV read
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -31,7 +30,7 @@ from flax import nnx
 from gguf.constants import GGMLQuantizationType
 
 from jaxdecode.config import ModelConfig
-from jaxdecode.kquants import FALLBACK, MIXES, mix_format
+from jaxdecode.kquants import MIXES, fallback, mix_format
 from jaxdecode.quantized import DEFAULT_GROUP, QUANTIZE_FORMATS, SCALE_DTYPE, QuantizedWeight, weight_bytes
 from jaxdecode.weights.repack import repacked_bytes
 
@@ -77,9 +76,9 @@ def kquant_bytes(k: int, n: int, fmt: str) -> int:
     """Bytes of a [K, N] weight in K-quant `fmt` as `kquants.quantize_k` stores it: the layout a GGUF tensor of that
     type is repacked into (`weights.repack.repacked_bytes`); a K not a multiple of 256 in its fallback (float16
     scales)."""
-    if k % 256:
-        base, group = FALLBACK[fmt]
-        return quantized_bytes(k * n, base, math.gcd(group, k), jnp.float16)
+    one_level = fallback(fmt, k)
+    if one_level is not None:
+        return quantized_bytes(k * n, *one_level)  # quantize's default scale dtype, as `quantize_k` stores it
     return repacked_bytes(GGMLQuantizationType[fmt.upper()], n, k)
 
 

@@ -53,15 +53,23 @@ def mix_format(mix: str, projection: str, layer: int | None, layers: int) -> str
     return "q4_k"
 
 
+def fallback(fmt: str, k: int) -> tuple[str, int] | None:
+    """(format, group) of the one-level `FALLBACK` a K-quant takes where K holds no whole super-blocks, else None:
+    what `quantize_k` stores and `cost.kquant_bytes` counts."""
+    if k % SUPER_GROUP == 0:
+        return None
+    base, group = FALLBACK[fmt]
+    return base, math.gcd(group, k)  # a K of no 32-value groups (tests' tiny widths) takes fewer
+
+
 def quantize_k(w, fmt: str) -> QuantizedWeight:
     """A dense [K, N] weight (numpy or jax) in the K-quant `fmt` ("q4_k" | "q6_k") as the module docstring says, two
     levels of scales; K not a multiple of 256 takes `FALLBACK`'s one-level format."""
     if fmt not in K_FORMATS:
         raise ValueError(f"unknown K-quant {fmt!r}; choose one of {', '.join(K_FORMATS)}")
-    k = w.shape[-2]
-    if k % SUPER_GROUP:
-        base, group = FALLBACK[fmt]
-        return quantize(w, base, math.gcd(group, k))  # a K of no 32-value groups (tests' tiny widths) takes fewer
+    one_level = fallback(fmt, w.shape[-2])
+    if one_level is not None:
+        return quantize(w, *one_level)
     arrays = (_q4_k if fmt == "q4_k" else _q6_k)(jnp.asarray(w, jnp.float32))
     return QuantizedWeight.from_codes(arrays[0], arrays[1], arrays[2], fmt.upper(), *arrays[3:])
 
