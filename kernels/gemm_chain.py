@@ -80,10 +80,9 @@ def _kernel(first_gmem, x_gmem, w_gmem, out_gmem, x_smem, w_smem, y_smem, bars, 
             src = out_gmem.at[lax.max(phase - 1, 0), pl.ds(0, m8), rows]
             plgpu.copy_gmem_to_smem(src, x_smem.at[slot], bars.at[slot])
 
-    for n in range(min(stages, total)):  # the prologue: phase 0's input is there from the start
+    for n in range(stages):  # the prologue, all in phase 0 (stages <= ks), whose input is there from the start
         issue_weights(n, n)
-        if n < ks:
-            issue_x(n, n)
+        issue_x(n, n)
 
     def phase_body(p, carry):
         if sems is not None:
