@@ -471,8 +471,8 @@ def in_child(args, index: int, v: Variant, emit) -> None:
 
 def print_table(rows: list[dict]) -> None:
     """The rows on stderr. "gap µs" (with --profile) is the median idle time between a step's kernels: on the H200 it
-    takes one of two values, about 0.1 or 0.45 µs, the second in later variants of a process, which moves a step of
-    ~430 kernels by 3-7% (docs/log/2026-12-05.md); compare ratios between rows of the same gap, or use --isolate."""
+    takes one of two values, the larger in later variants of a process, and times the step's hundreds of kernels it
+    moves a row's ms (docs/log/2026-12-05.md); compare ratios between rows of the same gap, or use --isolate."""
     print(
         f"\n{'#':>2} {'variant':40} {'B':>3} {'ctx':>6} {'ms/token':>9} {'tok/s':>9} {'GB/s':>7} {'%ceil':>6} "
         f"{'agree':>5} {'kernels':>7} {'gap µs':>6} {'right':>5}",

@@ -1,8 +1,8 @@
 """A chain of dependent GEMVs in one persistent launch: #26's question, asked of the smallest kernel that has it.
 
-A decode step is a chain of GEMMs, each reading the output of the one before. Today each is a launch, and at a
+A decode step is a chain of GEMMs, each reading the output of the one before. Each is a launch of its own, and at a
 launch boundary a GEMM pays its fixed cost: the grid starts, and no weight byte arrives before the first TMA
-stage lands (about 2.8 µs into a quantized launch, docs/kernels.md). The SN40L keeps its pipelines full across
+stage lands (docs/kernels.md, "What a launch's time is made of"). The SN40L keeps its pipelines full across
 layers; the GPU counterpart is one persistent kernel whose phases meet at a grid barrier inside it, while its TMA
 queue already streams the next phase's weights, which depend on nothing the barrier guards. Whether that barrier
 costs less than a launch is what this kernel measures (`benchmarks/gemm_chain_bench.py`), before a whole layer is
